@@ -1,0 +1,401 @@
+"""The decode loops: speculative (propose -> verify -> resample) and plain.
+
+Each is one jitted program: a prefill, then a `lax.while_loop` that runs until
+every row has emitted EOS or `max_new_tokens`. Rows advance by different
+amounts per cycle; a finished row keeps its outputs while the others go on.
+
+Every row's state obeys one invariant between iterations: `tokens[b, :L]` is
+its sequence (L = lengths[b]) and both caches hold valid keys and values for
+its first L - 1 tokens; the last token is fed by the next step.
+"""
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax import rejection
+from spec_jax.drafting import Drafter
+from spec_jax.model import KVCache, Model
+from spec_jax.sampling import Sampling
+
+# Output slots past a row's end hold this value.
+PAD_ID = -1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeConfig:
+  """Static settings of one decode; changing one compiles a new program.
+
+  gamma: drafts per cycle (ignored by the autoregressive loop).
+  max_new_tokens: the most tokens a row emits after its prompt.
+  sampling: temperature, top-k and top-p, applied to p and q alike.
+  eos_id: a row stops after emitting it; None never stops early.
+  """
+
+  gamma: int = 4
+  max_new_tokens: int = 64
+  sampling: Sampling = Sampling()
+  eos_id: int | None = None
+
+  def __post_init__(self):
+    if self.gamma < 1:
+      raise ValueError(f"gamma={self.gamma}: need at least one draft token.")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1.")
+
+
+@flax.struct.dataclass
+class DecodeStats:
+  """Counters kept in the loop carry of speculative decoding.
+
+  A row-cycle is one cycle in which that row was still generating.
+  """
+
+  cycles: jax.Array  # [] loop iterations.
+  row_cycles: jax.Array  # [B] cycles each row took part in.
+  drafted: jax.Array  # [B] draft tokens verified or not, gamma per row-cycle.
+  accepted: jax.Array  # [B] draft tokens accepted.
+  accepted_per_position: jax.Array  # [G] rows that accepted draft i.
+  overlap_sum: jax.Array  # [B] sum over verified positions of sum_x min(p, q).
+  verified: jax.Array  # [B] verified positions: accepted + the rejected one.
+
+  @classmethod
+  def zeros(cls, batch_size: int, gamma: int) -> "DecodeStats":
+    row = jnp.zeros((batch_size,), jnp.int32)
+    return cls(
+        cycles=jnp.zeros((), jnp.int32), row_cycles=row, drafted=row,
+        accepted=row, accepted_per_position=jnp.zeros((gamma,), jnp.int32),
+        overlap_sum=jnp.zeros((batch_size,), jnp.float32), verified=row)
+
+  @property
+  def acceptance_rate(self) -> jax.Array:
+    """Accepted over drafted tokens."""
+    return self.accepted.sum() / jnp.maximum(self.drafted.sum(), 1)
+
+  @property
+  def tokens_per_cycle(self) -> jax.Array:
+    """tau: accepted drafts plus the correction or bonus, per row-cycle.
+
+    Counts what each verify produced, before EOS or max_new_tokens cut the
+    last cycle short, which is the quantity (1 - a^(G+1)) / (1 - a) models.
+    """
+    row_cycles = self.row_cycles.sum()
+    return (self.accepted.sum() + row_cycles) / jnp.maximum(row_cycles, 1)
+
+  @property
+  def mean_overlap(self) -> jax.Array:
+    """Mean of sum_x min(p, q) over verified positions: the model's alpha."""
+    return self.overlap_sum.sum() / jnp.maximum(self.verified.sum(), 1)
+
+  def summary(self) -> dict:
+    """Host-side numbers for logs and JSON."""
+    return {
+        "cycles": int(self.cycles),
+        "row_cycles": int(self.row_cycles.sum()),
+        "drafted": int(self.drafted.sum()),
+        "accepted": int(self.accepted.sum()),
+        "acceptance_rate": float(self.acceptance_rate),
+        "tokens_per_cycle": float(self.tokens_per_cycle),
+        "mean_overlap": float(self.mean_overlap),
+        "accepted_per_position": [int(x) for x in self.accepted_per_position],
+    }
+
+
+@flax.struct.dataclass
+class DecodeResult:
+  tokens: jax.Array  # [B, max_new_tokens] int32, PAD_ID past num_tokens.
+  num_tokens: jax.Array  # [B] int32 tokens emitted per row.
+  stats: DecodeStats | None = None  # None for autoregressive decoding.
+
+
+@flax.struct.dataclass
+class DecodeState:
+  """The while-loop carry."""
+
+  tokens: jax.Array  # [B, S] prompt then output; slots >= lengths are scratch.
+  lengths: jax.Array  # [B] sequence lengths.
+  done: jax.Array  # [B] bool, the row has finished.
+  target_cache: KVCache
+  draft_state: object  # Whatever the drafter keeps, e.g. its KVCache.
+  key: jax.Array
+  stats: DecodeStats | None
+
+
+def verify(
+    target: Model,
+    cache: KVCache,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    draft_tokens: jax.Array,
+    sampling: Sampling,
+) -> tuple[jax.Array, KVCache]:
+  """Scores [last, d_1..d_G] in one target pass.
+
+  Args:
+    target: the target model.
+    cache: valid for each row's first lengths - 1 positions.
+    tokens: [B, S] sequences, whose last tokens are at lengths - 1.
+    lengths: [B] sequence lengths.
+    draft_tokens: [B, G] drafts.
+    sampling: the transform that turns target logits into p.
+
+  Returns:
+    target_probs [B, G+1, V] float32, p_1..p_{G+1}, and the cache.
+  """
+  last = jnp.take_along_axis(tokens, lengths[:, None] - 1, 1)  # [B, 1]
+  inputs = jnp.concatenate([last, draft_tokens], axis=1)  # [B, G+1]
+  positions = lengths[:, None] - 1 + jnp.arange(inputs.shape[1])
+  logits, cache = target(inputs, cache, positions)
+  return sampling.probs(logits), cache
+
+
+def _emit(
+    state: DecodeState,
+    new_tokens: jax.Array,
+    num_new: jax.Array,
+    prompt_lengths: jax.Array,
+    config: DecodeConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Appends up to num_new [B] of new_tokens [B, T] to each unfinished row.
+
+  A row stops at its first EOS (kept) or at max_new_tokens.
+  Returns the new tokens, lengths and done.
+  """
+  slot = jnp.arange(new_tokens.shape[1])
+  room = config.max_new_tokens - (state.lengths - prompt_lengths)
+  count = jnp.minimum(num_new, room)
+  hit_eos = jnp.zeros_like(state.done)
+  if config.eos_id is not None:
+    is_eos = (new_tokens == config.eos_id) & (slot < count[:, None])
+    hit_eos = is_eos.any(-1)
+    count = jnp.where(hit_eos, jnp.argmax(is_eos, -1) + 1, count)
+  count = jnp.where(state.done, 0, count)
+  # Slots beyond count go to an out-of-range index and are dropped.
+  index = jnp.where(slot < count[:, None], state.lengths[:, None] + slot,
+                    state.tokens.shape[1])
+  rows = jnp.arange(new_tokens.shape[0])[:, None]
+  tokens = state.tokens.at[rows, index].set(new_tokens, mode="drop")
+  lengths = state.lengths + count
+  done = (state.done | hit_eos
+          | (lengths - prompt_lengths >= config.max_new_tokens))
+  return tokens, lengths, done
+
+
+def _outputs(state: DecodeState, prompt_lengths, config: DecodeConfig):
+  """[B, max_new_tokens] outputs and their counts, from the final state."""
+  slot = jnp.arange(config.max_new_tokens)
+  index = prompt_lengths[:, None] + slot
+  num_tokens = state.lengths - prompt_lengths
+  tokens = jnp.take_along_axis(state.tokens, index, 1, mode="clip")
+  return jnp.where(slot < num_tokens[:, None], tokens, PAD_ID), num_tokens
+
+
+def _init_tokens(prompts, config: DecodeConfig, scratch: int) -> jax.Array:
+  """[B, P + max_new_tokens + scratch] buffer holding the prompts."""
+  return jnp.pad(prompts, ((0, 0), (0, config.max_new_tokens + scratch)))
+
+
+def _speculative_step(
+    state: DecodeState,
+    target: Model,
+    drafter: Drafter,
+    prompt_lengths: jax.Array,
+    config: DecodeConfig,
+) -> DecodeState:
+  """One propose -> verify -> resample cycle for every row."""
+  gamma, sampling = config.gamma, config.sampling
+  key, propose_key, resample_key = jax.random.split(state.key, 3)
+  with jax.named_scope("propose"):
+    draft_tokens, draft_probs, draft_state = drafter.propose(
+        state.draft_state, state.tokens, state.lengths, propose_key, gamma,
+        sampling)
+  with jax.named_scope("verify"):
+    target_probs, target_cache = verify(
+        target, state.target_cache, state.tokens, state.lengths, draft_tokens,
+        sampling)
+  with jax.named_scope("resample"):
+    new_tokens, num_accepted = rejection.resample(
+        resample_key, draft_tokens, draft_probs, target_probs,
+        greedy=sampling.greedy)
+  tokens, lengths, done = _emit(state, new_tokens, num_accepted + 1,
+                                prompt_lengths, config)
+
+  active = ~state.done
+  position = jnp.arange(gamma)
+  # [B, G]: the accepted drafts and the first rejected one.
+  verified = active[:, None] & (position <= num_accepted[:, None])
+  overlap = rejection.overlap(draft_probs, target_probs)  # [B, G]
+  stats = state.stats
+  stats = DecodeStats(
+      cycles=stats.cycles + 1,
+      row_cycles=stats.row_cycles + active,
+      drafted=stats.drafted + gamma * active,
+      accepted=stats.accepted + jnp.where(active, num_accepted, 0),
+      accepted_per_position=stats.accepted_per_position + jnp.sum(
+          active[:, None] & (position < num_accepted[:, None]), axis=0),
+      overlap_sum=stats.overlap_sum + jnp.sum(
+          jnp.where(verified, overlap, 0.0), axis=-1),
+      verified=stats.verified + verified.sum(-1),
+  )
+  return DecodeState(
+      tokens=tokens,
+      lengths=lengths,
+      done=done,
+      target_cache=target_cache.rollback(lengths - 1),
+      draft_state=drafter.rollback(draft_state, lengths),
+      key=key,
+      stats=stats,
+  )
+
+
+def _generate(key, target, drafter, prompts, prompt_lengths, config):
+  scratch = config.gamma + 1
+  tokens = _init_tokens(prompts, config, scratch)
+  max_len = tokens.shape[1]
+  state = DecodeState(
+      tokens=tokens,
+      lengths=prompt_lengths,
+      done=jnp.zeros(prompt_lengths.shape, bool),
+      target_cache=target.prefill(prompts, prompt_lengths, max_len),
+      draft_state=drafter.prefill(prompts, prompt_lengths, max_len),
+      key=key,
+      stats=DecodeStats.zeros(prompts.shape[0], config.gamma),
+  )
+  state = jax.lax.while_loop(
+      lambda s: ~jnp.all(s.done),
+      lambda s: _speculative_step(s, target, drafter, prompt_lengths, config),
+      state)
+  tokens, num_tokens = _outputs(state, prompt_lengths, config)
+  return DecodeResult(tokens=tokens, num_tokens=num_tokens, stats=state.stats)
+
+
+def _autoregressive_step(state, target, prompt_lengths, config):
+  key, sample_key = jax.random.split(state.key)
+  positions = state.lengths[:, None] - 1
+  last = jnp.take_along_axis(state.tokens, positions, 1)  # [B, 1]
+  logits, cache = target(last, state.target_cache, positions)
+  token = config.sampling.sample(sample_key, config.sampling.probs(logits))
+  tokens, lengths, done = _emit(state, token, jnp.ones_like(state.lengths),
+                                prompt_lengths, config)
+  return state.replace(tokens=tokens, lengths=lengths, done=done, key=key,
+                       target_cache=cache.rollback(lengths - 1))
+
+
+def _generate_autoregressive(key, target, prompts, prompt_lengths, config):
+  tokens = _init_tokens(prompts, config, scratch=1)
+  state = DecodeState(
+      tokens=tokens,
+      lengths=prompt_lengths,
+      done=jnp.zeros(prompt_lengths.shape, bool),
+      target_cache=target.prefill(prompts, prompt_lengths, tokens.shape[1]),
+      draft_state=None,
+      key=key,
+      stats=None,
+  )
+  state = jax.lax.while_loop(
+      lambda s: ~jnp.all(s.done),
+      lambda s: _autoregressive_step(s, target, prompt_lengths, config),
+      state)
+  tokens, num_tokens = _outputs(state, prompt_lengths, config)
+  return DecodeResult(tokens=tokens, num_tokens=num_tokens)
+
+
+generate_jit = jax.jit(_generate, static_argnames="config")
+generate_autoregressive_jit = jax.jit(_generate_autoregressive,
+                                      static_argnames="config")
+
+
+def check_inputs(
+    target: Model,
+    prompts,
+    prompt_lengths,
+    config: DecodeConfig,
+    drafter: Drafter | None = None,
+) -> None:
+  """Raises ValueError, before anything compiles, on inputs that cannot work."""
+  prompts = np.asarray(prompts)
+  prompt_lengths = np.asarray(prompt_lengths)
+  if prompts.ndim != 2 or prompt_lengths.shape != prompts.shape[:1]:
+    raise ValueError(
+        f"prompts must be [batch, length] with prompt_lengths [batch]; got "
+        f"{prompts.shape} and {prompt_lengths.shape}. `pad_prompts` builds both.")
+  if prompt_lengths.min() < 1:
+    raise ValueError(
+        f"row {int(prompt_lengths.argmin())} has an empty prompt; every row "
+        "needs at least one token (e.g. a BOS token).")
+  if prompt_lengths.max() > prompts.shape[1]:
+    raise ValueError(
+        f"prompt_lengths up to {prompt_lengths.max()} exceed the padded prompt "
+        f"width {prompts.shape[1]}.")
+  if drafter is not None and drafter.vocab_size != target.vocab_size:
+    raise ValueError(
+        f"draft vocabulary ({drafter.vocab_size}) differs from the target's "
+        f"({target.vocab_size}); the draft and target must share a tokenizer.")
+  models = [("target", target)]
+  if drafter is not None and isinstance(getattr(drafter, "model", None), Model):
+    models.append(("draft", drafter.model))
+  needed = int(prompt_lengths.max()) + config.max_new_tokens
+  for name, model in models:
+    if needed > model.config.max_len:
+      raise ValueError(
+          f"a prompt of {prompt_lengths.max()} tokens plus max_new_tokens="
+          f"{config.max_new_tokens} needs {needed} positions, but the {name} "
+          f"model has max_len={model.config.max_len}; shorten the prompt or "
+          "lower max_new_tokens.")
+
+
+def generate(
+    key: jax.Array,
+    target: Model,
+    drafter: Drafter,
+    prompts,
+    prompt_lengths,
+    config: DecodeConfig,
+) -> DecodeResult:
+  """Speculative decoding whose output law is exactly the target's.
+
+  Args:
+    key: PRNG key; the same key and inputs give the same tokens.
+    target: the target model.
+    drafter: the source of drafts, e.g. `ModelDrafter(draft_model)`.
+    prompts: [B, P] int32 right-padded prompts (see `pad_prompts`).
+    prompt_lengths: [B] int32 true prompt lengths, >= 1.
+    config: gamma, max_new_tokens, sampling and EOS.
+
+  Returns:
+    The emitted tokens [B, max_new_tokens], their counts [B] and the
+    statistics of the run, from a single compiled program.
+  """
+  check_inputs(target, prompts, prompt_lengths, config, drafter)
+  return generate_jit(key, target, drafter, jnp.asarray(prompts, jnp.int32),
+                      jnp.asarray(prompt_lengths, jnp.int32), config)
+
+
+def generate_autoregressive(
+    key: jax.Array, target: Model, prompts, prompt_lengths, config: DecodeConfig
+) -> DecodeResult:
+  """The baseline: one target step per token, in its own while_loop."""
+  check_inputs(target, prompts, prompt_lengths, config)
+  # gamma plays no part here; fixing it lets a sweep over gamma compile the
+  # baseline once.
+  return generate_autoregressive_jit(
+      key, target, jnp.asarray(prompts, jnp.int32),
+      jnp.asarray(prompt_lengths, jnp.int32),
+      dataclasses.replace(config, gamma=1))
+
+
+def pad_prompts(prompts, multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads token lists to [B, P], P a multiple of `multiple`.
+
+  Rounding P up means prompts of similar length share one compiled program.
+  Returns int32 prompts [B, P] and lengths [B].
+  """
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  width = max(1, -(-int(lengths.max(initial=0)) // multiple) * multiple)
+  padded = np.zeros((len(prompts), width), np.int32)
+  for row, prompt in zip(padded, prompts):
+    row[:len(prompt)] = prompt
+  return padded, lengths

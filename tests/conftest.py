@@ -1,0 +1,45 @@
+"""Tiny random draft/target pairs for the tests."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import spec_jax as sj
+
+
+def tiny_pair(vocab_size=16, max_len=64, sharpness=12.0, draft_noise=0.2,
+              seed=0):
+  """A target and a draft that is a perturbed copy of it.
+
+  Freshly initialised transformers predict nearly uniform next tokens, which
+  makes every sampler look right. Scaling the tied embedding makes the laws
+  peaked, scaling the position table keeps greedy decoding from repeating one
+  token forever, and perturbing the target's weights gives a draft that agrees with
+  it often but not always, as a real draft does.
+  """
+  config = sj.TransformerConfig(vocab_size=vocab_size, d_model=32,
+                                num_layers=2, num_heads=4, d_ff=64,
+                                max_len=max_len)
+  target_key, noise_key = jax.random.split(jax.random.key(seed))
+  target = sj.Model.init(config, target_key)
+  params = dict(target.params)
+  params["embed"] = {"embedding": params["embed"]["embedding"] * sharpness}
+  params["positions"] = params["positions"] * 100
+  target = target.replace(params=params)
+  return target, target.replace(params=_perturb(target.params, noise_key,
+                                               draft_noise))
+
+
+@jax.jit
+def _perturb(params, key, scale):
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(key, len(leaves))
+  return jax.tree.unflatten(treedef, [
+      x + scale * jnp.std(x) * jax.random.normal(k, x.shape)
+      for x, k in zip(leaves, keys)
+  ])
+
+
+@pytest.fixture(scope="session")
+def pair():
+  return tiny_pair()
