@@ -101,6 +101,25 @@ def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
   return cache.at[batch, heads, positions[:, None, :]].set(new, mode="drop")
 
 
+class Linear(nn.Module):
+  """y = x W^T + b with the kernel stored [out, in], as torch.nn.Linear does.
+
+  The same layout as PyTorch and Hugging Face checkpoints, and on CPU a
+  one-token step measured faster with it than with flax's [in, out].
+  """
+
+  features: int
+  dtype: str
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.initializers.lecun_normal(),
+                        (self.features, x.shape[-1]), self.dtype)
+    bias = self.param("bias", nn.initializers.zeros, (self.features,),
+                      self.dtype)
+    return jnp.einsum("...d,fd->...f", x, kernel) + bias
+
+
 class Block(nn.Module):
   """Pre-LayerNorm attention + GELU MLP, as in GPT-2."""
 
@@ -110,11 +129,12 @@ class Block(nn.Module):
   def __call__(self, x, positions, keys, values):
     """x [B, T, D]; positions [B, T]; keys, values [B, H, S, Dh]."""
     cfg = self.config
-    dense = lambda features, name, axis=-1: nn.DenseGeneral(
-        features, axis=axis, dtype=cfg.dtype, param_dtype=cfg.dtype, name=name
-    )
-    h = nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.dtype, name="ln_attn")(x)
-    qkv = dense((3, cfg.num_heads, cfg.head_dim), "qkv")(h)  # [B, T, 3, H, Dh]
+    batch, length, _ = x.shape
+    layer_norm = lambda name: nn.LayerNorm(dtype=cfg.dtype,
+                                           param_dtype=cfg.dtype, name=name)
+    h = layer_norm("ln_attn")(x)
+    qkv = Linear(3 * cfg.d_model, cfg.dtype, name="qkv")(h)
+    qkv = qkv.reshape(batch, length, 3, cfg.num_heads, cfg.head_dim)
     q, k, v = (jnp.swapaxes(qkv[:, :, i], 1, 2) for i in range(3))  # [B,H,T,Dh]
     keys = _write(keys, k, positions)
     values = _write(values, v, positions)
@@ -125,11 +145,12 @@ class Block(nn.Module):
     scores = jnp.where(visible[:, None], scores.astype(jnp.float32), _MASKED)
     weights = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
     attended = jnp.einsum("bhts,bhsd->bthd", weights, values)
-    x = x + dense(cfg.d_model, "attn_out", axis=(-2, -1))(attended)
+    attended = attended.reshape(batch, length, cfg.d_model)
+    x = x + Linear(cfg.d_model, cfg.dtype, name="attn_out")(attended)
 
-    h = nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.dtype, name="ln_mlp")(x)
-    h = nn.gelu(dense(cfg.d_ff, "mlp_in")(h))
-    x = x + dense(cfg.d_model, "mlp_out")(h)
+    h = layer_norm("ln_mlp")(x)
+    h = nn.gelu(Linear(cfg.d_ff, cfg.dtype, name="mlp_in")(h))
+    x = x + Linear(cfg.d_model, cfg.dtype, name="mlp_out")(h)
     return x, keys, values
 
 

@@ -1,0 +1,40 @@
+"""The main job: AR and SD side by side on the built-in pair.
+
+  python -m experiments.run --config=configs/quickstart.py --workdir=/tmp/quickstart
+
+Any field can be overridden, e.g. --config.gamma=6 --config.temperature=0.7.
+`runlocal` is a seconds-long smoke run: --config=configs/quickstart.py:runlocal
+"""
+
+import ml_collections
+
+
+def get_config(arg=None):
+  config = ml_collections.ConfigDict()
+  # Model directories; "pretrained/NAME" is the built-in pair.
+  config.target = "pretrained/target"
+  config.draft = "pretrained/draft"
+  # Drafts per cycle.
+  config.gamma = 8
+  # Comma-separated temperatures, one run each; 0 is greedy.
+  config.temperature = "0,1"
+  # Top-k (0 keeps all) and top-p (1 keeps all), applied to p and q alike.
+  config.top_k = 0
+  config.top_p = 1.0
+  # Rows decoded together.
+  config.batch_size = 1
+  # Tokens generated per prompt (a row also stops at end-of-text).
+  config.max_new_tokens = 96
+  # Prompts: one per line from prompts_file, else num_prompts held-out slices
+  # of prompt_tokens tokens from the corpus ("" is the standard library).
+  config.prompts_file = ""
+  config.num_prompts = 8
+  config.prompt_tokens = 64
+  config.corpus = ""
+  config.heldout_percent = 5
+  config.seed = 0
+  if arg == "runlocal":
+    config.num_prompts = 2
+    config.max_new_tokens = 8
+    config.gamma = 2
+  return config

@@ -1,0 +1,41 @@
+"""Lossless check: are SD's samples distributed as AR's? Writes tokens and a
+report to the workdir.
+
+  python -m experiments.exactness --config=configs/exactness.py --workdir=DIR
+"""
+
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+import numpy as np
+from ml_collections import config_flags
+
+from spec_jax import evaluation, records
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Exactness config.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where to write the samples.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  config = _CONFIG.value
+  records.check_writable(_WORKDIR.value)
+  target, draft, tokenizer = evaluation.load_pair(config.target, config.draft)
+  report = evaluation.exactness(config, target, draft, tokenizer,
+                                _WORKDIR.value)
+  for setting in report["settings"]:
+    verdict = "same law" if setting["passed"] else "DIFFERENT LAWS"
+    print(f"{setting['tag']}: min p-value {min(setting['p_values']):.4f} over "
+          f"{len(setting['p_values'])} positions -> {verdict}")
+  path = os.path.join(_WORKDIR.value, "report.json")
+  records.write_json(path, {"code_version": records.code_version(),
+                            "config": config.to_dict(), **report})
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,85 @@
+"""Model directories: config, tokenizer and orbax parameters, saved atomically.
+
+A model directory holds:
+  config.json      the TransformerConfig fields;
+  tokenizer.json   the `tokenizers` tokenizer shared by draft and target;
+  params/          an orbax checkpoint of the parameters.
+It is written under a temporary name and renamed when complete, so a crash
+leaves either the old directory or the new one, never half of one.
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+import tokenizers
+
+from spec_jax.model import Model, TransformerConfig
+
+
+def save_model(path, model: Model, tokenizer: tokenizers.Tokenizer,
+               storage_dtype: str | None = None) -> None:
+  """Writes a model directory at path, replacing any old one atomically.
+
+  storage_dtype: e.g. "bfloat16" to halve the files; loading casts back to
+    the config's dtype.
+  """
+  path = pathlib.Path(path).absolute()
+  staging = path.with_name(path.name + ".partial")
+  shutil.rmtree(staging, ignore_errors=True)
+  staging.mkdir(parents=True)
+  (staging / "config.json").write_text(
+      json.dumps(dataclasses.asdict(model.config), indent=2))
+  tokenizer.save(str(staging / "tokenizer.json"))
+  params = model.params
+  if storage_dtype:
+    params = jax.tree.map(lambda x: x.astype(storage_dtype), params)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(staging / "params", params)
+  if path.exists():
+    shutil.rmtree(path)
+  os.replace(staging, path)
+
+
+def load_tokenizer(path) -> tokenizers.Tokenizer:
+  path = pathlib.Path(path)
+  if not (path / "tokenizer.json").exists():
+    raise FileNotFoundError(f"no tokenizer.json in {path}.")
+  return tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def load_model(path) -> tuple[Model, tokenizers.Tokenizer]:
+  """Reads a model directory written by `save_model`.
+
+  Raises:
+    FileNotFoundError: the directory or one of its parts is missing.
+    ValueError: a part is corrupt or does not match the config.
+  """
+  path = pathlib.Path(path).absolute()
+  if not (path / "config.json").exists() or not (path / "params").exists():
+    raise FileNotFoundError(
+        f"no model at {path}: expected config.json and params/ there. Train "
+        "one with `python -m experiments.train` or point the config at an "
+        "existing model directory.")
+  try:
+    config = TransformerConfig(**json.loads((path / "config.json").read_text()))
+    tokenizer = load_tokenizer(path)
+    with ocp.StandardCheckpointer() as checkpointer:
+      params = checkpointer.restore(path / "params")
+    expected = jax.eval_shape(lambda: Model.init(config, jax.random.key(0)))
+    shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
+    if shapes(params) != shapes(expected.params):
+      raise ValueError("the stored parameters do not match config.json")
+  except FileNotFoundError:
+    raise
+  except Exception as error:  # orbax, json and tokenizers raise many types.
+    raise ValueError(
+        f"the model at {path} is corrupt or incomplete ({type(error).__name__}:"
+        f" {error}). Re-export or re-train it.") from error
+  params = jax.tree.map(lambda x: jnp.asarray(x, config.dtype), params)
+  return Model(config, params), tokenizer

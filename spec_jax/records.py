@@ -1,0 +1,54 @@
+"""Results files: atomic writes, stamped with the code version."""
+
+import json
+import os
+import subprocess
+import tempfile
+
+import numpy as np
+
+
+def code_version() -> str:
+  """The git commit of this checkout, with '+dirty' for uncommitted changes."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root,
+                            capture_output=True, text=True, check=True)
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=root,
+                            capture_output=True, text=True, check=True)
+  except (OSError, subprocess.CalledProcessError):
+    from importlib import metadata
+    return "spec_jax-" + metadata.version("spec_jax")
+  return commit.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
+
+
+def _write_atomic(path: str, write, mode: str) -> None:
+  """Calls write(file) on a temporary file, then renames it to path, so
+  readers see the old file or the new one, never half of one."""
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  with tempfile.NamedTemporaryFile(mode, dir=directory, suffix=".tmp",
+                                   delete=False) as f:
+    write(f)
+  os.replace(f.name, path)
+
+
+def write_json(path: str, record: dict) -> None:
+  _write_atomic(path, lambda f: f.write(json.dumps(record, indent=2) + "\n"),
+                "w")
+
+
+def save_npy(path: str, array: np.ndarray) -> None:
+  _write_atomic(path, lambda f: np.save(f, array), "wb")
+
+
+def check_writable(directory: str) -> None:
+  """Raises early, before any work, if results could not be written there."""
+  try:
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.TemporaryFile(dir=directory):
+      pass
+  except OSError as error:
+    raise PermissionError(
+        f"cannot write to workdir {directory!r} ({error.strerror}); pass a "
+        "writable --workdir.") from error

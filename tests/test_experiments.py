@@ -1,0 +1,150 @@
+"""Training, checkpoints and the experiment entry points, on tiny settings."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import spec_jax as sj
+from spec_jax import checkpoint, evaluation, records, training
+from configs import train as train_configs
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# A small corpus that ships with the project: its own source.
+CORPUS = str(REPO / "spec_jax")
+
+
+def tiny_train_config(**overrides):
+  config = train_configs.get_config("runlocal")
+  config.corpus = CORPUS
+  config.update(overrides)
+  return config
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+  """(target dir, draft dir) trained for a few steps on the tiny corpus."""
+  root = tmp_path_factory.mktemp("models")
+  training.train(tiny_train_config(), root / "target")
+  draft_config = tiny_train_config(
+      tokenizer=str(root / "target" / "model"), seed=1,
+      model=dict(d_model=16, num_layers=1, num_heads=2, d_ff=32, max_len=128))
+  training.train(draft_config, root / "draft")
+  return root / "target" / "model", root / "draft" / "model"
+
+
+def test_one_training_step_lowers_the_loss():
+  config = tiny_train_config()
+  model = sj.Model.init(sj.TransformerConfig(
+      vocab_size=50, d_model=32, num_layers=1, num_heads=2, d_ff=64,
+      max_len=32), jax.random.key(0))
+  windows = jax.random.randint(jax.random.key(1), (4, 17), 0, 50)
+  config.warmup_steps = 0
+  optimizer = training.make_optimizer(config)
+  loss_fn = lambda params: training.cross_entropy(
+      model.replace(params=params), windows)
+  loss, grads = jax.value_and_grad(loss_fn)(model.params)
+  updates, _ = optimizer.update(grads, optimizer.init(model.params),
+                                model.params)
+  assert loss_fn(optax.apply_updates(model.params, updates)) < loss
+
+
+def test_training_resumes_after_interruption(tmp_path, capsys):
+  training.train(tiny_train_config(num_steps=10), tmp_path)
+  capsys.readouterr()
+  training.train(tiny_train_config(num_steps=20), tmp_path)
+  out = capsys.readouterr().out
+  assert "resumed from step 10" in out
+  assert "step 20/20" in out and "bits per token" in out
+
+
+def test_checkpoint_round_trip_gives_identical_logits(tiny_models, tmp_path):
+  model, tokenizer = checkpoint.load_model(tiny_models[0])
+  checkpoint.save_model(tmp_path / "copy", model, tokenizer)
+  loaded, loaded_tokenizer = checkpoint.load_model(tmp_path / "copy")
+  tokens = jax.numpy.asarray([tokenizer.encode("def f(x):\n").ids])
+  np.testing.assert_array_equal(sj.score(model, tokens),
+                                sj.score(loaded, tokens))
+  assert loaded_tokenizer.to_str() == tokenizer.to_str()
+
+
+def test_missing_and_corrupt_checkpoints_raise(tiny_models, tmp_path):
+  with pytest.raises(FileNotFoundError, match="no model at"):
+    checkpoint.load_model(tmp_path / "nothing")
+  model, tokenizer = checkpoint.load_model(tiny_models[0])
+  checkpoint.save_model(tmp_path / "broken", model, tokenizer)
+  data_files = [f for f in (tmp_path / "broken" / "params").rglob("*")
+                if f.is_file() and f.stat().st_size > 1000]
+  for f in data_files:  # truncate every array file
+    f.write_bytes(f.read_bytes()[:f.stat().st_size // 2])
+  with pytest.raises(ValueError, match="corrupt"):
+    checkpoint.load_model(tmp_path / "broken")
+
+
+def test_pair_with_different_tokenizers_is_refused(tiny_models, tmp_path):
+  training.train(tiny_train_config(vocab_size=280, num_steps=2), tmp_path)
+  with pytest.raises(ValueError, match="different tokenizers"):
+    evaluation.load_pair(str(tiny_models[0]), str(tmp_path / "model"))
+
+
+def test_unwritable_workdir_is_refused(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  with pytest.raises(PermissionError, match="workdir"):
+    records.check_writable(str(blocker / "results"))
+
+
+def run_module(module, *flags):
+  return subprocess.run([sys.executable, "-m", module, *flags], cwd=REPO,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_main_job_smoke_run_and_flag_overrides(tiny_models, tmp_path):
+  target, draft = tiny_models
+  result = run_module(
+      "experiments.run", "--config=configs/quickstart.py:runlocal",
+      f"--workdir={tmp_path}", f"--config.target={target}",
+      f"--config.draft={draft}", f"--config.corpus={CORPUS}",
+      "--config.gamma=3", "--config.prompt_tokens=8")
+  assert result.returncode == 0, result.stderr[-3000:]
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert results["config"]["gamma"] == 3  # the flag overrode the config
+  assert [run["temperature"] for run in results["runs"]] == [0.0, 1.0]
+  greedy = results["runs"][0]
+  assert greedy["gamma"] == 3 and greedy["sd"]["cycles"] > 0
+  for sample in greedy["samples"]:
+    assert sample["sd_tokens"] == sample["ar_tokens"]
+  assert "speedup" in result.stdout
+
+
+def test_unknown_config_field_is_refused(tmp_path):
+  result = run_module("experiments.run", "--config=configs/quickstart.py",
+                      f"--workdir={tmp_path}", "--config.gama=3")
+  assert result.returncode != 0 and "gama" in result.stderr
+
+
+def test_exactness_smoke_run(tiny_models, tmp_path):
+  target, draft = tiny_models
+  result = run_module(
+      "experiments.exactness", "--config=configs/exactness.py:runlocal",
+      f"--workdir={tmp_path}", f"--config.target={target}",
+      f"--config.draft={draft}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads((tmp_path / "report.json").read_text())
+  assert len(report["settings"]) == 2
+  tokens = np.load(tmp_path / "tokens_sd_T1_p0.9.npy")
+  assert tokens.shape == (400, 3) and tokens.dtype == np.int32
+
+
+def test_two_sample_test_detects_a_different_law():
+  rng = np.random.default_rng(0)
+  a = rng.choice(4, size=(5000, 2), p=[0.4, 0.3, 0.2, 0.1])
+  same = rng.choice(4, size=(5000, 2), p=[0.4, 0.3, 0.2, 0.1])
+  other = rng.choice(4, size=(5000, 2), p=[0.3, 0.3, 0.3, 0.1])
+  assert min(evaluation.two_sample_p_values(a, same)) > 1e-3
+  assert max(evaluation.two_sample_p_values(a, other)) < 1e-6
