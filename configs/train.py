@@ -7,7 +7,8 @@ The target, then a draft that learns from the data, or from the target:
       --config.tokenizer=/tmp/train/target/model
   python -m experiments.train --config=configs/train.py:draft_distill \
       --workdir=/tmp/train/draft_tvd --config.teacher=/tmp/train/target/model \
-      --config.tokenizer=/tmp/train/target/model
+      --config.tokenizer=/tmp/train/target/model \
+      --config.init_from=/tmp/train/draft/model
 
 `runlocal` is a seconds-long smoke run: --config=configs/train.py:runlocal
 """
@@ -34,6 +35,8 @@ def get_config(arg="target"):
   config.distill = ""
   # The teacher's model directory when distilling.
   config.teacher = ""
+  # A model directory to start from instead of a random initialisation.
+  config.init_from = ""
   # Optimisation.
   config.batch_size = 16
   config.seq_len = 128
@@ -52,10 +55,16 @@ def get_config(arg="target"):
   config.seed = 0
   if arg == "target":
     config.storage_dtype = "bfloat16"  # Halves the committed files.
-  elif arg in ("draft", "draft_distill"):
+  elif arg == "draft":
     config.model = DRAFT
     config.num_steps = 1500
-    config.distill = "tvd" if arg == "draft_distill" else ""
+  elif arg == "draft_distill":
+    # Fine-tunes the data-trained draft (init_from) toward the target's laws.
+    config.model = DRAFT
+    config.distill = "tvd"
+    config.num_steps = 300
+    config.warmup_steps = 20
+    config.learning_rate = 5e-4
   elif arg == "runlocal":
     config.model = dict(d_model=32, num_layers=1, num_heads=2, d_ff=64,
                         max_len=128)

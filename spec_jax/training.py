@@ -71,9 +71,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> Model:
         f" {len(heldout_texts)} held-out texts ({len(heldout_tokens)} tokens)",
         flush=True)
 
-  model_config = TransformerConfig(vocab_size=tokenizer.get_vocab_size(),
-                                   **config.model)
-  model = Model.init(model_config, jax.random.key(config.seed))
+  if config.init_from:  # Fine-tune, e.g. distil a draft trained on data.
+    model, init_tokenizer = checkpoint.load_model(config.init_from)
+    if init_tokenizer.to_str() != tokenizer.to_str():
+      raise ValueError(f"init_from={config.init_from!r} has another tokenizer.")
+  else:
+    model = Model.init(
+        TransformerConfig(vocab_size=tokenizer.get_vocab_size(),
+                          **config.model), jax.random.key(config.seed))
   teacher = None
   if config.distill:
     teacher, teacher_tokenizer = checkpoint.load_model(config.teacher)

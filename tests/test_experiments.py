@@ -12,6 +12,7 @@ import pytest
 
 import spec_jax as sj
 from spec_jax import checkpoint, evaluation, records, training
+from configs import quickstart as quickstart_configs
 from configs import train as train_configs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -148,3 +149,17 @@ def test_two_sample_test_detects_a_different_law():
   other = rng.choice(4, size=(5000, 2), p=[0.3, 0.3, 0.3, 0.1])
   assert min(evaluation.two_sample_p_values(a, same)) > 1e-3
   assert max(evaluation.two_sample_p_values(a, other)) < 1e-6
+
+
+def test_builtin_pair_loads_and_greedy_sd_equals_ar():
+  config = quickstart_configs.get_config("runlocal")
+  config.max_new_tokens = 24
+  config.temperature = "0"
+  target, draft, tokenizer = evaluation.load_pair(config.target, config.draft)
+  prompts = evaluation.load_prompts(config, tokenizer)
+  assert len(prompts) == config.num_prompts
+  (run,) = evaluation.compare(config, target, draft, tokenizer, prompts)
+  for sample in run["samples"]:
+    assert sample["sd_tokens"] == sample["ar_tokens"]
+    assert len(sample["sd_tokens"]) > 0
+  assert run["sd"]["acceptance_rate"] > 0.3
