@@ -191,7 +191,9 @@ def exactness(config: ml_collections.ConfigDict, target, draft, tokenizer,
         gamma=config.gamma, max_new_tokens=config.max_new_tokens,
         sampling=Sampling(temperature=temperature, top_p=top_p))
     samples = {"ar": [], "sd": []}
-    for batch in range(-(-config.num_samples // config.batch_size)):
+    num_batches = -(-config.num_samples // config.batch_size)
+    for batch in range(num_batches):
+      print(f"{tag}: batch {batch + 1}/{num_batches}", flush=True)
       key = jax.random.key(config.seed * 100_003 + batch)
       samples["ar"].append(generate_autoregressive(
           key, target, prompts, lengths, decode_config).tokens)
