@@ -1,136 +1,107 @@
-"""Timing: the fused loop against the sum of its parts, and SD against AR.
+"""Component times measured the way the decode loop runs them.
 
-Every time is a median over repeats, after a warm-up call that compiles, so
-no compilation is counted. Loop times are per cycle: two runs of different
-lengths are subtracted, which removes the prefill and fixed launch costs.
+Each component (a draft step, a target step, a verify with its rejection step)
+runs n times inside one jitted `fori_loop`, as it does inside the decode loop:
+no dispatch per call, caches updated in place. Its time is the slope
+(t(n_long) - t(n_short)) / (n_long - n_short), which removes launch and
+transfer costs; each t is a median over repeats after a warm-up call that
+compiles. The cache pointer is put back after every iteration so all n calls
+attend over the same cache; attention reads every slot regardless of the
+pointer, so this costs what a mid-sequence call costs.
 """
 
+import functools
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from spec_jax import rejection
-from spec_jax.decoding import (DecodeConfig, generate, generate_autoregressive,
-                               verify)
-from spec_jax.drafting import ModelDrafter
+from spec_jax.decoding import DecodeConfig, verify
 from spec_jax.model import Model
+from spec_jax.sampling import Sampling
 
 
-def median_seconds(fn, *args, repeats: int = 5) -> float:
-  """Median wall time of fn(*args) after one warm-up call."""
-  jax.block_until_ready(fn(*args))
+@functools.partial(jax.jit, static_argnames="sampling")
+def _decode_steps(model: Model, cache, token, key, num_steps, sampling: Sampling):
+  """num_steps one-token steps: model call, probs, sample; token [B]."""
+
+  def step(i, carry):
+    token, cache = carry
+    logits, new_cache = model(token[:, None], cache)
+    token = sampling.sample(jax.random.fold_in(key, i),
+                            sampling.probs(logits[:, 0]))
+    return token, new_cache.rollback(cache.lengths)
+
+  return jax.lax.fori_loop(0, num_steps, step, (token, cache))
+
+
+@functools.partial(jax.jit, static_argnames="sampling")
+def _verify_steps(target: Model, cache, tokens, lengths, draft_tokens,
+                  draft_probs, key, num_steps, sampling: Sampling):
+  """num_steps verify passes over gamma + 1 tokens, each with `resample`."""
+
+  def step(i, carry):
+    draft_tokens, cache = carry
+    target_probs, new_cache = verify(target, cache, tokens, lengths,
+                                     draft_tokens, sampling)
+    new_tokens, _ = rejection.resample(
+        jax.random.fold_in(key, i), draft_tokens, draft_probs, target_probs,
+        greedy=sampling.greedy)
+    # Feeding the output back keeps the compiler from hoisting the pass.
+    return new_tokens[:, :-1], new_cache.rollback(cache.lengths)
+
+  return jax.lax.fori_loop(0, num_steps, step, (draft_tokens, cache))
+
+
+def _median_seconds(fn, num_steps: int, repeats: int) -> float:
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(num_steps))
     times.append(time.perf_counter() - start)
   return statistics.median(times)
 
 
-def component_seconds(
-    target: Model, draft: Model, batch_size: int, max_len: int,
-    config: DecodeConfig, repeats: int = 20,
-) -> dict:
-  """Median time of one draft step, one verify and one resample, each jitted
-  alone, on caches of the size the loop uses."""
-  gamma, sampling = config.gamma, config.sampling
-  position = max_len // 2  # A typical mid-sequence position.
-  tokens = jnp.ones((batch_size, max_len), jnp.int32)
-  lengths = jnp.full((batch_size,), position, jnp.int32)
-  draft_cache = draft.init_cache(batch_size, max_len).rollback(lengths)
-  target_cache = target.init_cache(batch_size, max_len).rollback(lengths - 1)
-
-  @jax.jit
-  def draft_step(cache):
-    logits, _ = draft(tokens[:, :1], cache)
-    return sampling.probs(logits)
-
-  draft_tokens = jnp.ones((batch_size, gamma), jnp.int32)
-
-  @jax.jit
-  def verify_step(cache):
-    return verify(target, cache, tokens, lengths, draft_tokens, sampling)[0]
-
-  target_probs = verify_step(target_cache)
-  draft_probs = target_probs[:, :gamma]
-  resample_step = jax.jit(
-      lambda key: rejection.resample(key, draft_tokens, draft_probs,
-                                     target_probs, greedy=sampling.greedy))
-
-  @jax.jit
-  def target_step(cache):
-    logits, _ = target(tokens[:, :1], cache)
-    return sampling.probs(logits)
-
-  return {
-      "draft_step_s": median_seconds(draft_step, draft_cache, repeats=repeats),
-      "verify_s": median_seconds(verify_step, target_cache, repeats=repeats),
-      "resample_s": median_seconds(resample_step, jax.random.key(0),
-                                   repeats=repeats),
-      "target_step_s": median_seconds(target_step, target_cache,
-                                      repeats=repeats),
-  }
+def seconds_per_step(fn, short: int = 4, long: int = 24,
+                     repeats: int = 3) -> float:
+  """Slope of the time of fn(num_steps) between num_steps = short and long."""
+  jax.block_until_ready(fn(short))  # compiles; num_steps is traced
+  return ((_median_seconds(fn, long, repeats)
+           - _median_seconds(fn, short, repeats)) / (long - short))
 
 
-def _run_seconds(fn, repeats):
-  """(median seconds, last result) of fn() after a warm-up."""
-  result = jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    result = jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), result
+def component_seconds(target: Model, draft: Model, batch_size: int,
+                      max_len: int, config: DecodeConfig) -> dict:
+  """Seconds per draft step, per target step and per verify (+ resample).
 
-
-def loop_efficiency(
-    key: jax.Array, target: Model, draft: Model, prompts, prompt_lengths,
-    config: DecodeConfig, repeats: int = 3,
-) -> dict:
-  """Compares the fused loop's time per cycle with the sum of its parts.
-
-  The ratio (gamma * draft step + verify + resample) / (time per fused cycle)
-  is 1 when fusing adds nothing; below 1 the loop adds its own overhead.
-  Also reports AR and SD tokens per second measured side by side.
+  Args:
+    target, draft: the models.
+    batch_size: rows decoded together.
+    max_len: cache length, as in the decode loop (prompt width +
+      max_new_tokens + gamma + 1).
+    config: gamma and sampling as in the decode loop.
   """
-  drafter = ModelDrafter(draft)
-  short = DecodeConfig(gamma=config.gamma, sampling=config.sampling,
-                       max_new_tokens=max(1, config.max_new_tokens // 4),
-                       eos_id=config.eos_id)
-  runs = {}
-  for name, cfg in (("short", short), ("full", config)):
-    runs[name] = _run_seconds(
-        lambda cfg=cfg: generate(key, target, drafter, prompts,
-                                 prompt_lengths, cfg), repeats)
-  (short_s, short_result), (full_s, full_result) = runs["short"], runs["full"]
-  cycles = int(full_result.stats.cycles) - int(short_result.stats.cycles)
-  cycle_s = (full_s - short_s) / max(cycles, 1)
+  gamma, sampling = config.gamma, config.sampling
+  key = jax.random.key(0)
+  lengths = jnp.full((batch_size,), max_len // 2, jnp.int32)
+  tokens = jnp.ones((batch_size, max_len), jnp.int32)
+  token = tokens[:, 0]
 
-  ar_s, ar_result = _run_seconds(
-      lambda: generate_autoregressive(key, target, prompts, prompt_lengths,
-                                      config), repeats)
-  max_len = int(np.asarray(prompts).shape[1]) + config.max_new_tokens + \
-      config.gamma + 1
-  parts = component_seconds(target, draft, len(prompt_lengths), max_len,
-                            config)
-  parts_s = (config.gamma * parts["draft_step_s"] + parts["verify_s"]
-             + parts["resample_s"])
-  sd_tokens = int(full_result.num_tokens.sum())
-  ar_tokens = int(ar_result.num_tokens.sum())
+  def decode_steps(model):
+    cache = model.init_cache(batch_size, max_len).rollback(lengths)
+    return lambda n: _decode_steps(model, cache, token, key, n, sampling)
+
+  target_cache = target.init_cache(batch_size, max_len).rollback(lengths - 1)
+  draft_tokens = tokens[:, :gamma]
+  draft_probs = jnp.full((batch_size, gamma, target.vocab_size),
+                         1.0 / target.vocab_size)
+  verify_steps = lambda n: _verify_steps(
+      target, target_cache, tokens, lengths, draft_tokens, draft_probs, key, n,
+      sampling)
   return {
-      "gamma": config.gamma,
-      "batch_size": len(prompt_lengths),
-      **parts,
-      "fused_cycle_s": cycle_s,
-      "sum_of_parts_s": parts_s,
-      "loop_efficiency": parts_s / cycle_s,
-      "draft_cost_ratio_c": parts["draft_step_s"] / parts["target_step_s"],
-      "verify_cost_ratio": parts["verify_s"] / parts["target_step_s"],
-      "sd_tokens_per_s": sd_tokens / full_s,
-      "ar_tokens_per_s": ar_tokens / ar_s,
-      "speedup": (sd_tokens / full_s) / (ar_tokens / ar_s),
-      "stats": full_result.stats.summary(),
+      "draft_step_s": seconds_per_step(decode_steps(draft)),
+      "target_step_s": seconds_per_step(decode_steps(target)),
+      "verify_s": seconds_per_step(verify_steps),
   }

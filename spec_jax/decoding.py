@@ -100,6 +100,8 @@ class DecodeStats:
         "acceptance_rate": float(self.acceptance_rate),
         "tokens_per_cycle": float(self.tokens_per_cycle),
         "mean_overlap": float(self.mean_overlap),
+        "verified": int(self.verified.sum()),
+        "overlap_sum": float(self.overlap_sum.sum()),
         "accepted_per_position": [int(x) for x in self.accepted_per_position],
     }
 

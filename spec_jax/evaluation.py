@@ -114,6 +114,8 @@ def compare(config: ml_collections.ConfigDict, target, draft, tokenizer,
     accepted = sum(t["accepted"] for t in totals)
     drafted = sum(t["drafted"] for t in totals)
     per_position = np.sum([t["accepted_per_position"] for t in totals], 0)
+    verified = sum(t["verified"] for t in totals)
+    overlap_sum = sum(t["overlap_sum"] for t in totals)
     runs.append({
         "temperature": temperature,
         "gamma": config.gamma,
@@ -125,6 +127,7 @@ def compare(config: ml_collections.ConfigDict, target, draft, tokenizer,
                "cycles": cycles,
                "acceptance_rate": accepted / max(drafted, 1),
                "tokens_per_cycle": (accepted + cycles) / max(cycles, 1),
+               "mean_overlap": overlap_sum / max(verified, 1),
                "accepted_per_position": per_position.astype(int).tolist()},
         "speedup": (sd_tokens / sd_seconds) / (ar_tokens / ar_seconds),
         "samples": [{"prompt": p, "ar_tokens": a, "sd_tokens": s}

@@ -1,5 +1,6 @@
 """Results files: atomic writes, stamped with the code version."""
 
+import csv
 import json
 import os
 import subprocess
@@ -36,6 +37,17 @@ def _write_atomic(path: str, write, mode: str) -> None:
 def write_json(path: str, record: dict) -> None:
   _write_atomic(path, lambda f: f.write(json.dumps(record, indent=2) + "\n"),
                 "w")
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+  """One line per dict; list values are joined with ';'."""
+  def write(f):
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    for row in rows:
+      writer.writerow({k: ";".join(f"{x:g}" for x in v) if isinstance(v, list)
+                       else v for k, v in row.items()})
+  _write_atomic(path, write, "w")
 
 
 def save_npy(path: str, array: np.ndarray) -> None:

@@ -163,3 +163,44 @@ def test_builtin_pair_loads_and_greedy_sd_equals_ar():
     assert sample["sd_tokens"] == sample["ar_tokens"]
     assert len(sample["sd_tokens"]) > 0
   assert run["sd"]["acceptance_rate"] > 0.3
+
+
+SWEEP_ROW_KEYS = {
+    "gamma", "temperature", "acceptance_rate", "alpha_min_pq",
+    "tokens_per_cycle", "predicted_tokens_per_cycle_iid", "draft_cost_ratio_c",
+    "verify_cost_ratio", "ar_tokens_per_s", "sd_tokens_per_s", "speedup",
+    "predicted_speedup", "accepted_per_position"}
+
+
+def test_gamma_sweep_smoke_run_writes_json_csv_and_plots(tiny_models, tmp_path):
+  target, draft = tiny_models
+  result = run_module(
+      "experiments.gamma_sweep", "--config=configs/gamma_sweep.py:runlocal",
+      f"--workdir={tmp_path}", f"--config.target={target}",
+      f"--config.draft={draft}", f"--config.corpus={CORPUS}",
+      "--config.temperature=0", "--config.prompt_tokens=8")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "[2/2] T=0 gamma= 2" in result.stdout  # progress per row
+  sweep = json.loads((tmp_path / "sweep.json").read_text())
+  assert {"code_version", "config", "rows", "best_gamma_measured",
+          "best_gamma_predicted"} <= set(sweep)
+  rows = sweep["rows"]
+  assert [r["gamma"] for r in rows] == [1, 2]
+  for row in rows:
+    assert SWEEP_ROW_KEYS <= set(row)
+    assert len(row["accepted_per_position"]) == row["gamma"]
+    assert 0 < row["draft_cost_ratio_c"] and row["verify_cost_ratio"] > 0
+    assert row["speedup"] == pytest.approx(
+        row["sd_tokens_per_s"] / row["ar_tokens_per_s"])
+  best = sweep["best_gamma_measured"]
+  assert best["speedup"] == max(r["speedup"] for r in rows)
+  assert (tmp_path / "sweep.csv").read_text().count("\n") == 3
+  for name in ("tokens_per_cycle", "speedup", "acceptance_by_position"):
+    assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gamma_sweep_refuses_bad_gammas_before_loading(tmp_path):
+  result = run_module("experiments.gamma_sweep",
+                      "--config=configs/gamma_sweep.py", f"--workdir={tmp_path}",
+                      "--config.gammas=0,2")
+  assert result.returncode != 0 and "gammas >= 1" in result.stderr

@@ -1,0 +1,24 @@
+"""The gamma ablation on the built-in pair: speedup and tau against theory.
+
+  python -m experiments.gamma_sweep --config=configs/gamma_sweep.py --workdir=/tmp/gamma_sweep
+
+Writes sweep.json, sweep.csv and three PNG plots into the workdir. Overrides
+read naturally, e.g. --config.gammas=2,4,8 --config.temperature=0.
+`runlocal` is a smoke run: --config=configs/gamma_sweep.py:runlocal
+"""
+
+from configs import quickstart
+
+
+def get_config(arg=None):
+  # The main job's settings (models, prompts, sampling, batch size), so a
+  # sweep measures what `experiments.run` measures, at every gamma.
+  config = quickstart.get_config()
+  # Draft lengths: comma-separated, or an inclusive range "1-10".
+  config.gammas = "1-10"
+  del config["gamma"]  # set per row from gammas
+  if arg == "runlocal":
+    config.gammas = "1,2"
+    config.num_prompts = 2
+    config.max_new_tokens = 8
+  return config

@@ -1,0 +1,102 @@
+"""Figures of a gamma sweep (the dict `sweep.gamma_sweep` returns).
+
+Figures are built without pyplot, so nothing depends on a global backend: a
+script saves them as PNG, a notebook displays the returned objects.
+"""
+
+import os
+import tempfile
+
+from matplotlib.figure import Figure
+import numpy as np
+
+
+def _by_temperature(rows):
+  """{temperature: rows sorted by gamma}."""
+  groups = {}
+  for row in sorted(rows, key=lambda r: r["gamma"]):
+    groups.setdefault(row["temperature"], []).append(row)
+  return groups
+
+
+def _measured_vs_predicted(rows, measured, predicted, predicted_label,
+                           title, ylabel) -> Figure:
+  figure = Figure(figsize=(6, 4), layout="constrained")
+  axes = figure.add_subplot()
+  for index, (temperature, group) in enumerate(_by_temperature(rows).items()):
+    color = f"C{index}"
+    gammas = [r["gamma"] for r in group]
+    axes.plot(gammas, [r[measured] for r in group], "o-", color=color,
+              label=f"T={temperature:g} measured")
+    axes.plot(gammas, [r[predicted] for r in group], "s--", color=color,
+              alpha=0.7, label=f"T={temperature:g} {predicted_label}")
+  axes.set(title=title, xlabel="draft length gamma", ylabel=ylabel)
+  axes.set_xticks(sorted({r["gamma"] for r in rows}))
+  axes.grid(alpha=0.3)
+  axes.legend()
+  return figure
+
+
+def tokens_per_cycle_figure(rows) -> Figure:
+  return _measured_vs_predicted(
+      rows, "tokens_per_cycle", "predicted_tokens_per_cycle_iid",
+      "i.i.d. model at measured alpha",
+      "Tokens per cycle: measured vs i.i.d. prediction",
+      "tokens per cycle (tau)")
+
+
+def speedup_figure(rows) -> Figure:
+  figure = _measured_vs_predicted(
+      rows, "speedup", "predicted_speedup",
+      "predicted from tau and component times",
+      "Speedup over autoregressive decoding", "speedup (x)")
+  figure.axes[0].axhline(1.0, color="gray", lw=0.8)
+  return figure
+
+
+def acceptance_by_position_figure(rows) -> Figure:
+  """P(draft i accepted | draft i-1 accepted) at each temperature's largest
+  gamma. Under the i.i.d. model every position is accepted with the same
+  probability alpha (dotted)."""
+  figure = Figure(figsize=(6, 4), layout="constrained")
+  axes = figure.add_subplot()
+  for index, (temperature, group) in enumerate(_by_temperature(rows).items()):
+    row = group[-1]
+    reached = np.concatenate([[1.0], row["accepted_per_position"][:-1]])
+    accepted = np.asarray(row["accepted_per_position"])
+    conditional = np.divide(accepted, reached, out=np.full_like(accepted, np.nan),
+                            where=reached > 0)
+    positions = np.arange(1, len(accepted) + 1)
+    axes.plot(positions, conditional, "o-", color=f"C{index}",
+              label=f"T={temperature:g}, gamma={row['gamma']}")
+    axes.axhline(row["alpha_min_pq"], color=f"C{index}", ls=":",
+                 label=f"T={temperature:g} alpha (i.i.d. model)")
+  axes.set(title="Acceptance by draft position",
+           xlabel="draft position i",
+           ylabel="P(accept draft i | drafts before it accepted)",
+           ylim=(0, 1.02))
+  axes.set_xticks(positions)
+  axes.grid(alpha=0.3)
+  axes.legend()
+  return figure
+
+
+FIGURES = {
+    "tokens_per_cycle.png": tokens_per_cycle_figure,
+    "speedup.png": speedup_figure,
+    "acceptance_by_position.png": acceptance_by_position_figure,
+}
+
+
+def save_figures(rows, directory: str) -> list[str]:
+  """Writes every figure as PNG into directory; returns the paths."""
+  paths = []
+  for name, make in FIGURES.items():
+    path = os.path.join(directory, name)
+    # A temporary name, then a rename: no half-written PNG on a crash.
+    with tempfile.NamedTemporaryFile(dir=directory, suffix=".png",
+                                     delete=False) as f:
+      make(rows).savefig(f, format="png", dpi=120)
+    os.replace(f.name, path)
+    paths.append(path)
+  return paths

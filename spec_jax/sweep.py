@@ -1,0 +1,144 @@
+"""The gamma ablation: measured speedup and tau against the theory, per gamma.
+
+For every (temperature, gamma) the sweep runs AR and SD side by side on the
+same prompts (`evaluation.compare`), times the loop's components inside jitted
+loops (`benchmark.component_seconds`), and sets the measurements beside what
+they predict:
+
+  * tau measured vs tau from the i.i.d. formula at the measured alpha;
+  * speedup measured vs speedup predicted from the tokens each cycle emitted
+    and the component times. These two agree when the loop costs nothing
+    beyond its parts, so their ratio is the loop's efficiency.
+"""
+
+import time
+
+import ml_collections
+import numpy as np
+
+from spec_jax import benchmark, evaluation, theory
+from spec_jax.decoding import DecodeConfig, pad_prompts
+from spec_jax.sampling import Sampling
+
+
+def parse_gammas(text) -> list[int]:
+  """'1,2,4' or '1-10' (inclusive) -> [int]; every gamma must be >= 1."""
+  gammas = []
+  for part in str(text).split(","):
+    if "-" in part:
+      low, high = (int(x) for x in part.split("-"))
+      gammas.extend(range(low, high + 1))
+    elif part.strip():
+      gammas.append(int(part))
+  if not gammas or min(gammas) < 1:
+    raise ValueError(f"gammas={text!r}: give gammas >= 1, e.g. '1-10' or "
+                     "'2,4,8'.")
+  return gammas
+
+
+def _row(run: dict, parts: dict) -> dict:
+  """One sweep row from a `compare` RUN and the component times."""
+  gamma, sd = run["gamma"], run["sd"]
+  alpha = sd["mean_overlap"]
+  # What the cycles really emitted, after EOS and max_new_tokens cut the last
+  # one short: the numerator that matches the measured wall time.
+  emitted_per_cycle = sd["new_tokens"] / max(sd["cycles"], 1)
+  c = parts["draft_step_s"] / parts["target_step_s"]
+  verify_cost = parts["verify_s"] / parts["target_step_s"]
+  predicted = float(theory.predicted_speedup(
+      emitted_per_cycle, gamma, parts["draft_step_s"], parts["verify_s"],
+      parts["target_step_s"]))
+  per_position = np.asarray(sd["accepted_per_position"]) / max(sd["cycles"], 1)
+  return {
+      "gamma": gamma,
+      "temperature": run["temperature"],
+      "acceptance_rate": sd["acceptance_rate"],
+      "alpha_min_pq": alpha,
+      "tokens_per_cycle": sd["tokens_per_cycle"],
+      "predicted_tokens_per_cycle_iid": float(
+          theory.expected_tokens_per_cycle(alpha, gamma)),
+      "emitted_tokens_per_cycle": emitted_per_cycle,
+      "draft_cost_ratio_c": c,
+      "verify_cost_ratio": verify_cost,
+      **parts,
+      "ar_tokens_per_s": run["ar"]["tokens_per_s"],
+      "sd_tokens_per_s": sd["tokens_per_s"],
+      "speedup": run["speedup"],
+      "predicted_speedup": predicted,
+      "measured_over_predicted": run["speedup"] / predicted,
+      # The paper's model: i.i.d. acceptance at the measured alpha, with the
+      # measured c and verify cost.
+      "predicted_speedup_iid": float(theory.expected_speedup_with_verify_cost(
+          alpha, gamma, c, verify_cost)),
+      # Fraction of cycles that accepted the draft at position i (1-based).
+      "accepted_per_position": per_position.tolist(),
+  }
+
+
+def _best(rows: list[dict], key: str) -> dict:
+  """The row maximising `key`, overall and per temperature."""
+  def pick(candidates):
+    best = max(candidates, key=lambda r: r[key])
+    return {"gamma": best["gamma"], "temperature": best["temperature"],
+            key: best[key]}
+  temperatures = sorted({r["temperature"] for r in rows})
+  return {**pick(rows), "by_temperature": {
+      f"{t:g}": pick([r for r in rows if r["temperature"] == t])
+      for t in temperatures}}
+
+
+def gamma_sweep(config: ml_collections.ConfigDict, target, draft, tokenizer,
+                prompts: list[str], log=print) -> dict:
+  """Runs every (temperature, gamma) of config on the same prompts.
+
+  Returns {"rows", "best_gamma_measured", "best_gamma_predicted"}; `log`
+  receives a progress line per row.
+  """
+  gammas = parse_gammas(config.gammas)
+  temperatures = evaluation.parse_temperatures(config.temperature)
+  prompt_ids = [tokenizer.encode(p).ids or [0] for p in prompts]
+  width = pad_prompts(prompt_ids)[0].shape[1]
+  total = len(gammas) * len(temperatures)
+  rows, start = [], time.perf_counter()
+  for temperature in temperatures:
+    for gamma in gammas:
+      run_config = ml_collections.ConfigDict(config.to_dict())
+      run_config.gamma = gamma
+      run_config.temperature = str(temperature)
+      (run,) = evaluation.compare(run_config, target, draft, tokenizer,
+                                  prompts)
+      decode_config = DecodeConfig(
+          gamma=gamma, max_new_tokens=config.max_new_tokens,
+          sampling=Sampling(temperature=temperature, top_k=config.top_k,
+                            top_p=config.top_p))
+      parts = benchmark.component_seconds(
+          target, draft, config.batch_size,
+          width + config.max_new_tokens + gamma + 1, decode_config)
+      row = _row(run, parts)
+      rows.append(row)
+      elapsed = time.perf_counter() - start
+      eta = elapsed / len(rows) * (total - len(rows))
+      log(f"[{len(rows)}/{total}] T={temperature:g} gamma={gamma:2d}: "
+          f"alpha {row['alpha_min_pq']:.3f}, tau {row['tokens_per_cycle']:.2f}"
+          f" (iid {row['predicted_tokens_per_cycle_iid']:.2f}), speedup "
+          f"{row['speedup']:.2f}x (predicted {row['predicted_speedup']:.2f}x)"
+          f", c {row['draft_cost_ratio_c']:.3f}, verify "
+          f"{row['verify_cost_ratio']:.2f} | {elapsed:.0f} s, ETA {eta:.0f} s")
+  return {"rows": rows,
+          "best_gamma_measured": _best(rows, "speedup"),
+          "best_gamma_predicted": _best(rows, "predicted_speedup")}
+
+
+def format_table(rows: list[dict]) -> str:
+  lines = [f"{'T':>3} {'gamma':>5} {'alpha':>6} {'tau':>5} {'tau iid':>7} "
+           f"{'c':>6} {'verify':>6} {'AR tok/s':>8} {'SD tok/s':>8} "
+           f"{'speedup':>7} {'predicted':>9}"]
+  for r in rows:
+    lines.append(
+        f"{r['temperature']:>3g} {r['gamma']:>5d} {r['alpha_min_pq']:>6.3f} "
+        f"{r['tokens_per_cycle']:>5.2f} "
+        f"{r['predicted_tokens_per_cycle_iid']:>7.2f} "
+        f"{r['draft_cost_ratio_c']:>6.3f} {r['verify_cost_ratio']:>6.2f} "
+        f"{r['ar_tokens_per_s']:>8.1f} {r['sd_tokens_per_s']:>8.1f} "
+        f"{r['speedup']:>6.2f}x {r['predicted_speedup']:>8.2f}x")
+  return "\n".join(lines)

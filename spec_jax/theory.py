@@ -1,0 +1,68 @@
+"""What the i.i.d. model of Leviathan et al. (2023) predicts.
+
+If each draft is accepted independently with probability alpha, a cycle of
+gamma drafts yields
+
+  tau = 1 + alpha + ... + alpha^gamma = (1 - alpha^(gamma+1)) / (1 - alpha)
+
+tokens (Eq. 1), and costs gamma draft steps plus one verify. With the draft
+step costing c target steps and the verify costing v target steps (v = 1 in
+the paper), the walltime improvement over autoregressive decoding is
+
+  speedup = tau / (gamma * c + v)          (Theorem 3.8 when v = 1).
+
+Every function takes scalars or numpy arrays, which broadcast.
+"""
+
+import numpy as np
+
+
+def expected_tokens_per_cycle(alpha, gamma):
+  """tau: expected tokens per cycle, (1 - alpha^(gamma+1)) / (1 - alpha)."""
+  alpha = np.asarray(alpha, np.float64)
+  gamma = np.asarray(gamma)
+  # At alpha = 1 the sum is gamma + 1; np.where evaluates both branches, so
+  # the denominator is kept away from 0.
+  ratio = (1 - alpha ** (gamma + 1)) / np.where(alpha == 1, 1.0, 1 - alpha)
+  return np.where(alpha == 1, gamma + 1.0, ratio)
+
+
+def expected_speedup_with_verify_cost(alpha, gamma, c, verify_cost):
+  """tau / (gamma * c + verify_cost).
+
+  verify_cost is T_verify(gamma + 1 tokens) / T_target(1 token), which the
+  paper takes as 1; on real hardware it grows with gamma.
+  """
+  return expected_tokens_per_cycle(alpha, gamma) / (
+      np.asarray(gamma) * c + verify_cost)
+
+
+def expected_speedup(alpha, gamma, c):
+  """Theorem 3.8: (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma * c + 1))."""
+  return expected_speedup_with_verify_cost(alpha, gamma, c, 1.0)
+
+
+def optimal_gamma(alpha: float, c: float, max_gamma: int,
+                  verify_cost: float = 1.0) -> int:
+  """The integer gamma in [1, max_gamma] with the largest expected speedup.
+
+  Ties go to the smaller gamma (less wasted draft work for the same speed).
+  """
+  if max_gamma < 1:
+    raise ValueError(f"max_gamma={max_gamma} must be >= 1.")
+  gammas = np.arange(1, max_gamma + 1)
+  speedups = expected_speedup_with_verify_cost(alpha, gammas, c, verify_cost)
+  return int(gammas[np.argmax(speedups)])
+
+
+def predicted_speedup(tokens_per_cycle, gamma, draft_step_s, verify_s,
+                      target_step_s):
+  """Speedup predicted from measurements rather than from alpha.
+
+  A cycle costs gamma draft steps and one verify (with its rejection step) and
+  yields tokens_per_cycle tokens; autoregressive decoding pays one target step
+  per token. Comparing this with the measured speedup shows what the loop
+  costs beyond its parts.
+  """
+  cycle_s = np.asarray(gamma) * draft_step_s + verify_s
+  return np.asarray(tokens_per_cycle) * target_step_s / cycle_s

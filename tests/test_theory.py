@@ -1,0 +1,56 @@
+"""The i.i.d. model of Leviathan et al. (2023), against their Table 1."""
+
+import numpy as np
+import pytest
+
+from spec_jax import theory
+
+
+@pytest.mark.parametrize("alpha, gamma, speedup", [
+    (0.6, 2, 1.96), (0.8, 5, 3.69), (0.9, 10, 6.86)])
+def test_paper_table_1_at_zero_draft_cost(alpha, gamma, speedup):
+  assert abs(theory.expected_speedup(alpha, gamma, c=0.0) - speedup) < 0.01
+
+
+def test_tokens_per_cycle_is_the_geometric_sum():
+  for alpha in (0.0, 0.3, 0.99, 1.0):
+    for gamma in (1, 4, 9):
+      direct = sum(alpha ** i for i in range(gamma + 1))
+      assert theory.expected_tokens_per_cycle(alpha, gamma) == pytest.approx(
+          direct)
+
+
+def test_speedup_divides_by_the_cycle_cost():
+  # Theorem 3.8 is the verify-cost variant with a verify costing one step.
+  alpha, gamma, c = 0.7, 5, 0.05
+  tau = theory.expected_tokens_per_cycle(alpha, gamma)
+  assert theory.expected_speedup(alpha, gamma, c) == pytest.approx(
+      tau / (gamma * c + 1))
+  assert theory.expected_speedup_with_verify_cost(
+      alpha, gamma, c, 2.0) == pytest.approx(tau / (gamma * c + 2))
+
+
+def test_optimal_gamma_matches_brute_force():
+  for alpha in np.linspace(0.05, 0.95, 19):
+    for c in (0.01, 0.05, 0.1, 0.3, 0.6):
+      for verify_cost in (1.0, 1.5):
+        speedups = {g: sum(alpha ** i for i in range(g + 1))
+                       / (g * c + verify_cost) for g in range(1, 21)}
+        best = max(speedups, key=lambda g: (speedups[g], -g))
+        assert theory.optimal_gamma(alpha, c, 20, verify_cost) == best
+
+
+def test_optimal_gamma_grows_with_alpha_and_shrinks_with_cost():
+  assert theory.optimal_gamma(0.9, 0.05, 30) > theory.optimal_gamma(
+      0.6, 0.05, 30)
+  assert theory.optimal_gamma(0.8, 0.02, 30) > theory.optimal_gamma(
+      0.8, 0.2, 30)
+  with pytest.raises(ValueError, match="max_gamma"):
+    theory.optimal_gamma(0.8, 0.1, 0)
+
+
+def test_predicted_speedup_is_time_per_token_ratio():
+  # 4 tokens per cycle of 3 draft steps (1 ms) + a verify (12 ms), against
+  # 10 ms per AR token: 15 ms / 4 tokens vs 10 ms / token.
+  assert theory.predicted_speedup(4.0, 3, 1e-3, 12e-3, 10e-3) == pytest.approx(
+      10 / (15 / 4))
