@@ -18,7 +18,14 @@ from spec_jax.decoding import (
     pad_prompts,
     verify,
 )
-from spec_jax.drafting import Drafter, ModelDrafter, propose
+from spec_jax.drafting import (
+    Drafter,
+    LayerSkipDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    prompt_lookup,
+    propose,
+)
 from spec_jax.model import KVCache, Model, Transformer, TransformerConfig, score
 from spec_jax.rejection import (
     acceptance_probs,
@@ -30,8 +37,10 @@ from spec_jax.sampling import Sampling
 
 __all__ = [
     "PAD_ID", "DecodeConfig", "DecodeResult", "DecodeStats", "Drafter",
-    "KVCache", "Model", "ModelDrafter", "Sampling", "Transformer",
+    "KVCache", "LayerSkipDrafter", "Model", "ModelDrafter", "NgramDrafter",
+    "Sampling", "Transformer",
     "TransformerConfig", "acceptance_probs", "correction_probs", "generate",
-    "generate_autoregressive", "overlap", "pad_prompts", "propose", "resample",
+    "generate_autoregressive", "overlap", "pad_prompts", "prompt_lookup",
+    "propose", "resample",
     "score", "verify",
 ]

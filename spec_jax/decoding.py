@@ -56,7 +56,7 @@ class DecodeStats:
 
   cycles: jax.Array  # [] loop iterations.
   row_cycles: jax.Array  # [B] cycles each row took part in.
-  drafted: jax.Array  # [B] draft tokens verified or not, gamma per row-cycle.
+  drafted: jax.Array  # [B] draft tokens proposed, verified or not.
   accepted: jax.Array  # [B] draft tokens accepted.
   accepted_per_position: jax.Array  # [G] rows that accepted draft i.
   overlap_sum: jax.Array  # [B] sum over verified positions of sum_x min(p, q).
@@ -211,12 +211,12 @@ def _speculative_step(
   gamma, sampling = config.gamma, config.sampling
   key, propose_key, resample_key = jax.random.split(state.key, 3)
   with jax.named_scope("propose"):
-    draft_tokens, draft_probs, draft_state = drafter.propose(
-        state.draft_state, state.tokens, state.lengths, propose_key, gamma,
-        sampling)
+    draft_tokens, draft_probs, draft_state, target_cache = drafter.propose(
+        state.draft_state, state.target_cache, state.tokens, state.lengths,
+        propose_key, gamma, sampling)
   with jax.named_scope("verify"):
     target_probs, target_cache = verify(
-        target, state.target_cache, state.tokens, state.lengths, draft_tokens,
+        target, target_cache, state.tokens, state.lengths, draft_tokens,
         sampling)
   with jax.named_scope("resample"):
     new_tokens, num_accepted = rejection.resample(
@@ -227,14 +227,18 @@ def _speculative_step(
 
   active = ~state.done
   position = jnp.arange(gamma)
-  # [B, G]: the accepted drafts and the first rejected one.
-  verified = active[:, None] & (position <= num_accepted[:, None])
+  # [B, G]: positions with a draft (dynamic gamma and prompt lookup may
+  # propose fewer than gamma), and of those the accepted and the first
+  # rejected one.
+  proposed = active[:, None] & (rejection.draft_token_probs(
+      draft_tokens, draft_probs) > 0)
+  verified = proposed & (position <= num_accepted[:, None])
   overlap = rejection.overlap(draft_probs, target_probs)  # [B, G]
   stats = state.stats
   stats = DecodeStats(
       cycles=stats.cycles + 1,
       row_cycles=stats.row_cycles + active,
-      drafted=stats.drafted + gamma * active,
+      drafted=stats.drafted + proposed.sum(-1),
       accepted=stats.accepted + jnp.where(active, num_accepted, 0),
       accepted_per_position=stats.accepted_per_position + jnp.sum(
           active[:, None] & (position < num_accepted[:, None]), axis=0),
@@ -336,6 +340,12 @@ def check_inputs(
     raise ValueError(
         f"draft vocabulary ({drafter.vocab_size}) differs from the target's "
         f"({target.vocab_size}); the draft and target must share a tokenizer.")
+  num_layers = getattr(drafter, "num_layers", None)
+  if num_layers is not None and not 1 <= num_layers < target.config.num_layers:
+    raise ValueError(
+        f"layer skip with num_layers={num_layers}: the draft must use between "
+        f"1 and {target.config.num_layers - 1} of the target's "
+        f"{target.config.num_layers} layers.")
   models = [("target", target)]
   if drafter is not None and isinstance(getattr(drafter, "model", None), Model):
     models.append(("draft", drafter.model))
@@ -362,7 +372,8 @@ def generate(
   Args:
     key: PRNG key; the same key and inputs give the same tokens.
     target: the target model.
-    drafter: the source of drafts, e.g. `ModelDrafter(draft_model)`.
+    drafter: the source of drafts: `ModelDrafter(draft_model)`,
+      `LayerSkipDrafter(target, num_layers)` or `NgramDrafter(vocab_size)`.
     prompts: [B, P] int32 right-padded prompts (see `pad_prompts`).
     prompt_lengths: [B] int32 true prompt lengths, >= 1.
     config: gamma, max_new_tokens, sampling and EOS.

@@ -165,6 +165,7 @@ class Transformer(nn.Module):
       tokens: jax.Array,
       cache: KVCache,
       positions: jax.Array | None = None,
+      num_layers: int | None = None,
   ) -> tuple[jax.Array, KVCache]:
     """Runs tokens [B, T] and writes their keys and values into the cache.
 
@@ -173,6 +174,9 @@ class Transformer(nn.Module):
       cache: the cache to extend.
       positions: [B, T] int32 position of each token; by default the row's
         pointer onwards, `cache.lengths[:, None] + arange(T)`.
+      num_layers: run only the first num_layers blocks, then the final norm
+        and the head (a self-speculative draft); the other layers' caches are
+        returned untouched.
 
     Returns:
       float32 logits [B, T, V], and the cache with `lengths` set to one past
@@ -194,13 +198,11 @@ class Transformer(nn.Module):
     # output is already complete, so clipping them changes no emitted token.
     x = embed(tokens) + position_table[jnp.clip(positions, 0, cfg.max_len - 1)]
 
-    keys, values = [], []
-    for i in range(cfg.num_layers):
-      x, k, v = Block(cfg, name=f"block_{i}")(
-          x, positions, cache.keys[i], cache.values[i]
+    keys, values = list(cache.keys), list(cache.values)
+    for i in range(cfg.num_layers if num_layers is None else num_layers):
+      x, keys[i], values[i] = Block(cfg, name=f"block_{i}")(
+          x, positions, keys[i], values[i]
       )
-      keys.append(k)
-      values.append(v)
     x = nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.dtype, name="ln_final")(x)
     logits = embed.attend(x).astype(jnp.float32)
     cache = KVCache(
@@ -230,13 +232,14 @@ class Model:
 
   # Jitted so that calls from eager code compile once; inside an outer jit
   # (the decode loops) this is inlined.
-  @jax.jit
+  @functools.partial(jax.jit, static_argnames="num_layers")
   def __call__(
-      self, tokens: jax.Array, cache: KVCache, positions: jax.Array | None = None
+      self, tokens: jax.Array, cache: KVCache,
+      positions: jax.Array | None = None, num_layers: int | None = None,
   ) -> tuple[jax.Array, KVCache]:
     """`Transformer.__call__` with these parameters."""
     return Transformer(self.config).apply(
-        {"params": self.params}, tokens, cache, positions
+        {"params": self.params}, tokens, cache, positions, num_layers
     )
 
   @property

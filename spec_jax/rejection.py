@@ -9,6 +9,14 @@ For drafts d_1..d_G drawn from q_1..q_G and target laws p_1..p_{G+1}:
 Accepting keeps exactly min(p, q) of each token's mass, the correction adds
 max(0, p - q), and the two sum to p. Writing q_{G+1} = 0 makes the bonus the
 same formula as the correction, which is how `correction_probs` treats it.
+
+The same convention lets a row propose fewer than G drafts: a position whose
+q_i is all zero proposes nothing, is always rejected, and its correction is
+norm(max(0, p_i - 0)) = p_i, so the row emits a token of p_i there, exactly as
+a cycle with fewer drafts would. Dynamic gamma and prompt lookup without a
+match use this. A one-hot q_i (a deterministic draft d) needs nothing special:
+d is accepted with probability p_i(d), and the correction is p_i with d
+removed and renormalised.
 """
 
 import jax
@@ -22,16 +30,22 @@ def _at_tokens(probs: jax.Array, tokens: jax.Array) -> jax.Array:
   return jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
 
 
+def draft_token_probs(draft_tokens: jax.Array,
+                      draft_probs: jax.Array) -> jax.Array:
+  """q_i(d_i): [B, G]; 0 where a row proposed nothing."""
+  return _at_tokens(draft_probs, draft_tokens)
+
+
 def acceptance_probs(
     draft_tokens: jax.Array, draft_probs: jax.Array, target_probs: jax.Array
 ) -> jax.Array:
   """min(1, p_i(d_i) / q_i(d_i)) for each draft: [B, G] float32."""
   gamma = draft_tokens.shape[-1]
   p = _at_tokens(target_probs[:, :gamma], draft_tokens)
-  q = _at_tokens(draft_probs, draft_tokens)
-  # q > 0 for any token actually drawn from q; the guard keeps 0/0 out of
-  # callers that pass arbitrary tokens.
-  return jnp.where(q > 0, jnp.minimum(1.0, p / jnp.where(q > 0, q, 1.0)), 1.0)
+  q = draft_token_probs(draft_tokens, draft_probs)
+  # q > 0 for any token drawn from q; q = 0 marks a position that proposes
+  # nothing, which is rejected.
+  return jnp.where(q > 0, jnp.minimum(1.0, p / jnp.where(q > 0, q, 1.0)), 0.0)
 
 
 def correction_probs(
@@ -63,7 +77,8 @@ def resample(
   Args:
     key: PRNG key.
     draft_tokens: [B, G] int32, d_1..d_G.
-    draft_probs: [B, G, V] float32, q_1..q_G, the laws the drafts came from.
+    draft_probs: [B, G, V] float32, q_1..q_G, the laws the drafts came from;
+      all zero where a row proposes nothing.
     target_probs: [B, G+1, V] float32, p_1..p_{G+1}.
     greedy: temperature 0: accept while d_i == argmax p_i, then emit argmax.
 
@@ -76,7 +91,8 @@ def resample(
   gamma = draft_tokens.shape[-1]
   target_argmax = jnp.argmax(target_probs, -1).astype(jnp.int32)  # [B, G+1]
   if greedy:
-    accepted = draft_tokens == target_argmax[:, :gamma]
+    proposed = draft_token_probs(draft_tokens, draft_probs) > 0
+    accepted = (draft_tokens == target_argmax[:, :gamma]) & proposed
   else:
     accept_key, key = jax.random.split(key)
     uniform = jax.random.uniform(accept_key, draft_tokens.shape)  # [0, 1)

@@ -8,7 +8,7 @@ import spec_jax as sj
 
 
 def tiny_pair(vocab_size=16, max_len=64, sharpness=12.0, draft_noise=0.2,
-              seed=0):
+              seed=0, num_layers=2):
   """A target and a draft that is a perturbed copy of it.
 
   Freshly initialised transformers predict nearly uniform next tokens, which
@@ -18,7 +18,7 @@ def tiny_pair(vocab_size=16, max_len=64, sharpness=12.0, draft_noise=0.2,
   it often but not always, as a real draft does.
   """
   config = sj.TransformerConfig(vocab_size=vocab_size, d_model=32,
-                                num_layers=2, num_heads=4, d_ff=64,
+                                num_layers=num_layers, num_heads=4, d_ff=64,
                                 max_len=max_len)
   target_key, noise_key = jax.random.split(jax.random.key(seed))
   target = sj.Model.init(config, target_key)

@@ -8,7 +8,9 @@ expected count below 5 are pooled). The test fails when p < 1e-3, so a
 correct sampler fails with probability 0.001 per seed; the seeds are fixed,
 so the outcome is deterministic. The negative control runs the same test on a
 loop whose correction is drawn from p instead of norm(max(0, p - q)) and
-requires p < 1e-3 there.
+requires p < 1e-3 there, for a draft model and for prompt lookup (one-hot q).
+Every drafter passes the same test: prompt lookup on a prompt that repeats
+itself (so it has matches to propose), layer skip and dynamic gamma.
 """
 
 import functools
@@ -30,6 +32,8 @@ NUM_SAMPLES = 100_000
 CHUNK = 25_000
 SIGNIFICANCE = 1e-3
 PROMPT = [1, 5, 2, 6]
+# "1 5" recurs, so prompt lookup proposes "2 6 1" at the first cycle.
+REPEATING_PROMPT = [1, 5, 2, 6, 1, 5]
 
 
 @pytest.fixture(scope="module")
@@ -39,22 +43,22 @@ def pair8():
   return tiny_pair(vocab_size=VOCAB, seed=1, draft_noise=0.6)
 
 
-def exact_law(target, sampling):
+def exact_law(target, sampling, prompt=PROMPT):
   """[V^3] probability of each continuation, in lexicographic order."""
   continuations = np.array(list(itertools.product(range(VOCAB),
                                                   repeat=NUM_NEW)))
-  prompt = np.broadcast_to(PROMPT, (len(continuations), len(PROMPT)))
-  sequences = jnp.asarray(np.concatenate([prompt, continuations], 1))
-  start = len(PROMPT) - 1
+  prompts = np.broadcast_to(prompt, (len(continuations), len(prompt)))
+  sequences = jnp.asarray(np.concatenate([prompts, continuations], 1))
+  start = len(prompt) - 1
   probs = sampling.probs(
       sj.score(target, sequences)[:, start:start + NUM_NEW])  # [V^3, 3, V]
   chosen = jnp.take_along_axis(probs, continuations[..., None], -1)[..., 0]
   return np.asarray(chosen, np.float64).prod(-1)
 
 
-def sampled_counts(decode, seed):
+def sampled_counts(decode, seed, prompt=PROMPT):
   """Counts [V^3] of the first 3 tokens over NUM_SAMPLES rows."""
-  prompts, lengths = sj.pad_prompts([PROMPT] * CHUNK)
+  prompts, lengths = sj.pad_prompts([prompt] * CHUNK)
   counts = np.zeros(VOCAB**NUM_NEW, np.int64)
   for chunk in range(NUM_SAMPLES // CHUNK):
     tokens = np.asarray(decode(jax.random.key(seed * 1000 + chunk), prompts,
@@ -77,10 +81,9 @@ def chi_square_p_value(counts, law):
   return stats.chisquare(observed, expected).pvalue
 
 
-def speculative(target, draft, gamma, sampling, generate_fn):
+def speculative(target, drafter, gamma, sampling, generate_fn):
   config = decoding.DecodeConfig(gamma=gamma, max_new_tokens=NUM_NEW,
                                  sampling=sampling)
-  drafter = sj.ModelDrafter(draft)
   return lambda key, prompts, lengths: generate_fn(
       key, target, drafter, prompts, lengths, config).tokens
 
@@ -96,8 +99,33 @@ CASES = [
 def test_speculative_samples_follow_target_law(pair8, sampling, gamma):
   target, draft = pair8
   law = exact_law(target, sampling)
-  decode = speculative(target, draft, gamma, sampling, sj.generate)
+  decode = speculative(target, sj.ModelDrafter(draft), gamma, sampling,
+                       sj.generate)
   p_value = chi_square_p_value(sampled_counts(decode, seed=gamma), law)
+  assert p_value > SIGNIFICANCE, p_value
+
+
+def other_drafters(target, draft):
+  return {
+      "ngram": sj.NgramDrafter(VOCAB, max_n=2),
+      "layer_skip": sj.LayerSkipDrafter(target, num_layers=1),
+      "dynamic_gamma": sj.ModelDrafter(draft, confidence_threshold=0.5),
+  }
+
+
+@pytest.mark.parametrize("name", [
+    "ngram",
+    pytest.param("layer_skip", marks=pytest.mark.slow),
+    pytest.param("dynamic_gamma", marks=pytest.mark.slow),
+])
+def test_every_drafter_samples_the_target_law(pair8, name):
+  target, draft = pair8
+  sampling = sj.Sampling(temperature=1.0)
+  drafter = other_drafters(target, draft)[name]
+  decode = speculative(target, drafter, 3, sampling, sj.generate)
+  counts = sampled_counts(decode, seed=7, prompt=REPEATING_PROMPT)
+  p_value = chi_square_p_value(counts,
+                               exact_law(target, sampling, REPEATING_PROMPT))
   assert p_value > SIGNIFICANCE, p_value
 
 
@@ -113,8 +141,13 @@ def test_autoregressive_samples_follow_target_law(pair8):
   assert p_value > SIGNIFICANCE, p_value
 
 
-def test_negative_control_wrong_correction_is_rejected(pair8, monkeypatch):
+@pytest.mark.parametrize("name", ["model", "ngram"])
+def test_negative_control_wrong_correction_is_rejected(pair8, monkeypatch,
+                                                       name):
   target, draft = pair8
+  drafter = (sj.ModelDrafter(draft) if name == "model"
+             else other_drafters(target, draft)[name])
+  prompt = PROMPT if name == "model" else REPEATING_PROMPT
   sampling = sj.Sampling(temperature=1.0)
   # Draw the correction from p instead of the residual, through the real loop.
   monkeypatch.setattr(rejection, "correction_probs", lambda q, p: p)
@@ -125,7 +158,7 @@ def test_negative_control_wrong_correction_is_rejected(pair8, monkeypatch):
   def wrong_generate(key, target, drafter, prompts, lengths, config):
     return decoding._generate(key, target, drafter, prompts, lengths, config)
 
-  decode = speculative(target, draft, 2, sampling, wrong_generate)
-  p_value = chi_square_p_value(sampled_counts(decode, seed=2),
-                               exact_law(target, sampling))
+  decode = speculative(target, drafter, 2, sampling, wrong_generate)
+  p_value = chi_square_p_value(sampled_counts(decode, seed=2, prompt=prompt),
+                               exact_law(target, sampling, prompt))
   assert p_value < SIGNIFICANCE, p_value

@@ -26,18 +26,30 @@ def random_law(rng, vocab_size, zero_fraction):
 
 
 class PrefixLaws:
-  """p(. | prefix) and q(. | prefix) for every prefix, drawn lazily."""
+  """p(. | prefix) and q(. | prefix) for every prefix, drawn lazily.
 
-  def __init__(self, vocab_size, seed, q_equals_p=False):
+  draft: "random" (a random q), "equal" (q = p), "one_hot" (a deterministic
+  draft token, as prompt lookup proposes) or "stopping" (a random q that, at
+  some prefixes, proposes nothing: q = 0, as dynamic gamma does once the
+  draft is unsure).
+  """
+
+  def __init__(self, vocab_size, seed, draft="random"):
     self.rng = np.random.default_rng(seed)
     self.vocab_size = vocab_size
-    self.q_equals_p = q_equals_p
+    self.draft = draft
     self.tables = {}
 
   def __call__(self, prefix):
     if prefix not in self.tables:
       p = random_law(self.rng, self.vocab_size, 0.3)
-      q = p if self.q_equals_p else random_law(self.rng, self.vocab_size, 0.3)
+      q = random_law(self.rng, self.vocab_size, 0.3)
+      if self.draft == "equal":
+        q = p
+      elif self.draft == "one_hot":
+        q = np.eye(self.vocab_size)[self.rng.integers(self.vocab_size)]
+      elif self.draft == "stopping" and self.rng.random() < 0.4:
+        q = np.zeros(self.vocab_size)
       self.tables[prefix] = (p, q)
     return self.tables[prefix]
 
@@ -57,6 +69,9 @@ def spec_block_law(laws, gamma, correction_probs_fn):
   drafts = list(itertools.product(vocab, repeat=gamma))  # every d_1..d_G
   draft_probs = np.array([[laws(d[:i])[1] for i in range(gamma)]
                           for d in drafts])
+  # Once a row proposes nothing it stops: later positions propose nothing.
+  stopped = np.cumsum(draft_probs.sum(-1) == 0, axis=1) > 0
+  draft_probs[stopped] = 0.0
   target_probs = np.array([[laws(d[:i])[0] for i in range(gamma + 1)]
                            for d in drafts])
   draft_tokens = jnp.array(drafts, jnp.int32).reshape(len(drafts), gamma)
@@ -67,7 +82,9 @@ def spec_block_law(laws, gamma, correction_probs_fn):
 
   block_law = {}  # emitted block (variable length) -> probability
   for b, d in enumerate(drafts):
-    path = np.prod([draft_probs[b, i, d[i]] for i in range(gamma)])
+    # Where nothing is proposed, the (unused) draft token is 0 for certain.
+    path = np.prod([draft_probs[b, i, d[i]] if not stopped[b, i]
+                    else float(d[i] == 0) for i in range(gamma)])
     if path == 0:
       continue
     for n in range(gamma + 1):  # n drafts accepted, then one emitted token.
@@ -111,14 +128,28 @@ def test_block_law_equals_target_by_enumeration(vocab_size, gamma, seed):
 
 
 def test_block_law_exact_when_draft_equals_target():
-  laws = PrefixLaws(5, seed=4, q_equals_p=True)
+  laws = PrefixLaws(5, seed=4, draft="equal")
   spec = spec_block_law(laws, 2, sj.correction_probs)
   assert max_law_gap(spec, target_law(laws, 2)) < 1e-6
 
 
-def test_enumeration_rejects_correction_from_p():
-  """Negative control: correcting from p instead of the residual is biased."""
-  laws = PrefixLaws(6, seed=1)
+@pytest.mark.parametrize("draft", ["one_hot", "stopping"])
+@pytest.mark.parametrize("vocab_size,gamma,seed", [(6, 2, 5), (4, 3, 6)])
+def test_block_law_exact_for_one_hot_and_stopping_drafts(draft, vocab_size,
+                                                         gamma, seed):
+  """Deterministic drafts (prompt lookup) and rows that propose fewer than
+  gamma tokens (dynamic gamma, no n-gram match) keep the law exact."""
+  laws = PrefixLaws(vocab_size, seed, draft=draft)
+  spec = spec_block_law(laws, gamma, sj.correction_probs)
+  assert max_law_gap(spec, target_law(laws, gamma)) < 1e-6
+  assert abs(sum(spec.values()) - 1) < 1e-6
+
+
+@pytest.mark.parametrize("draft", ["random", "one_hot", "stopping"])
+def test_enumeration_rejects_correction_from_p(draft):
+  """Negative control: correcting from p instead of the residual is biased,
+  for one-hot drafts (which it would draw again) and stopping ones too."""
+  laws = PrefixLaws(6, seed=1, draft=draft)
   wrong = spec_block_law(laws, 2, lambda q, p: p)
   assert max_law_gap(wrong, target_law(laws, 2)) > 1e-3
 
@@ -194,10 +225,16 @@ def test_greedy_accepts_while_draft_is_argmax():
                                      draft_probs, target_probs, greedy=True)
   assert int(num_accepted[0]) == 2
   np.testing.assert_array_equal(tokens[0, :3], [3, 1, 4])
-  tokens, num_accepted = sj.resample(jax.random.key(0),
-                                     jnp.array([[3, 1, 4]], jnp.int32),
-                                     draft_probs, target_probs, greedy=True)
+  draft_tokens = jnp.array([[3, 1, 4]], jnp.int32)
+  tokens, num_accepted = sj.resample(jax.random.key(0), draft_tokens,
+                                     jax.nn.one_hot(draft_tokens, 6),
+                                     target_probs, greedy=True)
   assert int(num_accepted[0]) == 3 and int(tokens[0, 3]) == 1
+  # A position with q = 0 proposes nothing and is rejected, even at T = 0.
+  draft_probs = jax.nn.one_hot(draft_tokens, 6).at[0, 1].set(0.0)
+  tokens, num_accepted = sj.resample(jax.random.key(0), draft_tokens,
+                                     draft_probs, target_probs, greedy=True)
+  assert int(num_accepted[0]) == 1 and int(tokens[0, 1]) == 1
 
 
 def test_overlap_is_sum_of_min():
