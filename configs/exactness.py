@@ -8,11 +8,14 @@ compared position by position with two-sample chi-square tests.
 
 import ml_collections
 
+from configs import quickstart
+
 
 def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.target = "pretrained/target"
-  config.draft = "pretrained/draft"
+  # --config.drafter=ngram|layer_skip checks the other drafters.
+  quickstart.add_drafter_fields(config)
   config.gamma = 4
   # Continuations drawn by each of AR and SD.
   config.num_samples = 20000

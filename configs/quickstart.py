@@ -2,18 +2,37 @@
 
   python -m experiments.run --config=configs/quickstart.py --workdir=/tmp/quickstart
 
-Any field can be overridden, e.g. --config.gamma=6 --config.temperature=0.7.
+Any field can be overridden, e.g. --config.gamma=6 --config.temperature=0.7,
+or another drafter: --config.drafter=ngram, --config.drafter=layer_skip
+--config.layer_skip.num_layers=3, --config.confidence_threshold=0.4.
 `runlocal` is a seconds-long smoke run: --config=configs/quickstart.py:runlocal
 """
 
 import ml_collections
 
 
+def add_drafter_fields(config: ml_collections.ConfigDict) -> None:
+  """The drafter and its sub-configs, shared by every experiment config."""
+  # Where drafts come from: model (config.draft), ngram (prompt lookup in the
+  # row's own context, no draft model) or layer_skip (the target's first
+  # layers, sharing its cache).
+  config.drafter = "model"
+  # The draft model directory, for drafter=model.
+  config.draft = "pretrained/draft"
+  # Dynamic gamma for model and layer_skip: a row stops drafting once the
+  # draft's top probability falls below this (0 always drafts gamma tokens).
+  config.confidence_threshold = 0.0
+  # Prompt lookup: match the last max_n tokens, falling back to min_n.
+  config.ngram = ml_collections.ConfigDict({"max_n": 3, "min_n": 1})
+  # Layer skip: how many of the target's layers the draft runs.
+  config.layer_skip = ml_collections.ConfigDict({"num_layers": 2})
+
+
 def get_config(arg=None):
   config = ml_collections.ConfigDict()
   # Model directories; "pretrained/NAME" is the built-in pair.
   config.target = "pretrained/target"
-  config.draft = "pretrained/draft"
+  add_drafter_fields(config)
   # Drafts per cycle.
   config.gamma = 8
   # Comma-separated temperatures, one run each; 0 is greedy.
@@ -32,6 +51,9 @@ def get_config(arg=None):
   config.prompt_tokens = 64
   config.corpus = ""
   config.heldout_percent = 5
+  # Follow each held-out prompt with its first lines again, as when a file is
+  # re-emitted with an edit: the input prompt lookup is made for.
+  config.repeat_prompts = False
   config.seed = 0
   if arg == "runlocal":
     config.num_prompts = 2

@@ -24,8 +24,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   records.check_writable(_WORKDIR.value)
-  target, draft, tokenizer = evaluation.load_pair(config.target, config.draft)
-  report = evaluation.exactness(config, target, draft, tokenizer,
+  target, drafter, tokenizer = evaluation.load_models(config)
+  report = evaluation.exactness(config, target, drafter, tokenizer,
                                 _WORKDIR.value)
   for setting in report["settings"]:
     verdict = "same law" if setting["passed"] else "DIFFERENT LAWS"

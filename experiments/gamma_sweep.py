@@ -23,11 +23,11 @@ def main(argv):
   config = _CONFIG.value
   sweep.parse_gammas(config.gammas)  # bad gammas fail before any loading
   records.check_writable(_WORKDIR.value)
-  target, draft, tokenizer = evaluation.load_pair(config.target, config.draft)
+  target, drafter, tokenizer = evaluation.load_models(config)
   prompts = evaluation.load_prompts(config, tokenizer)
-  print(f"target {target.num_params:,} params, draft {draft.num_params:,} "
-        f"params, {len(prompts)} prompts", flush=True)
-  result = sweep.gamma_sweep(config, target, draft, tokenizer, prompts,
+  print(f"{evaluation.describe(target, drafter)}, {len(prompts)} prompts",
+        flush=True)
+  result = sweep.gamma_sweep(config, target, drafter, tokenizer, prompts,
                              log=lambda line: print(line, flush=True))
   print(sweep.format_table(result["rows"]))
   for name in ("best_gamma_measured", "best_gamma_predicted"):

@@ -22,11 +22,11 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   records.check_writable(_WORKDIR.value)
-  target, draft, tokenizer = evaluation.load_pair(config.target, config.draft)
+  target, drafter, tokenizer = evaluation.load_models(config)
   prompts = evaluation.load_prompts(config, tokenizer)
-  print(f"target {target.num_params:,} params, draft {draft.num_params:,} "
-        f"params, {len(prompts)} prompts", flush=True)
-  runs = evaluation.compare(config, target, draft, tokenizer, prompts)
+  print(f"{evaluation.describe(target, drafter)}, {len(prompts)} prompts",
+        flush=True)
+  runs = evaluation.compare(config, target, drafter, tokenizer, prompts)
   print(evaluation.format_table(runs))
   for run in runs:
     for sample in run["samples"][:2]:

@@ -115,3 +115,17 @@ def prompts_from_texts(tokenizer, texts, num_prompts: int,
     if len(prompts) == num_prompts:
       break
   return prompts
+
+
+def repeating_prompts(prompts: list[str], restart_lines: int = 2) -> list[str]:
+  """Each prompt followed by its first restart_lines lines again.
+
+  Models the input of an edit: a file, then the file being written out anew.
+  A model that copies continues with the rest of the prompt, which is what
+  prompt lookup drafts.
+  """
+  repeated = []
+  for prompt in prompts:
+    head = "".join(prompt.splitlines(keepends=True)[:restart_lines])
+    repeated.append(prompt.rstrip("\n") + "\n\n" + head)
+  return repeated

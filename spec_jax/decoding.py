@@ -400,14 +400,17 @@ def generate_autoregressive(
       dataclasses.replace(config, gamma=1))
 
 
-def pad_prompts(prompts, multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
+def pad_prompts(prompts, multiple: int = 16,
+                min_width: int = 1) -> tuple[np.ndarray, np.ndarray]:
   """Right-pads token lists to [B, P], P a multiple of `multiple`.
 
-  Rounding P up means prompts of similar length share one compiled program.
+  Rounding P up means prompts of similar length share one compiled program;
+  min_width gives several batches one width, hence one program.
   Returns int32 prompts [B, P] and lengths [B].
   """
   lengths = np.array([len(p) for p in prompts], np.int32)
-  width = max(1, -(-int(lengths.max(initial=0)) // multiple) * multiple)
+  width = max(min_width, int(lengths.max(initial=0)))
+  width = -(-width // multiple) * multiple
   padded = np.zeros((len(prompts), width), np.int32)
   for row, prompt in zip(padded, prompts):
     row[:len(prompt)] = prompt

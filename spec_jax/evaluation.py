@@ -14,7 +14,7 @@ from scipy import stats
 from spec_jax import checkpoint, data, records
 from spec_jax.decoding import (DecodeConfig, DecodeResult, generate,
                                generate_autoregressive, pad_prompts)
-from spec_jax.drafting import ModelDrafter
+from spec_jax.drafting import LayerSkipDrafter, ModelDrafter, NgramDrafter
 from spec_jax.sampling import Sampling
 
 # The built-in pair, trained by configs/train.py (see README).
@@ -40,8 +40,55 @@ def load_pair(target_path: str, draft_path: str):
   return target, draft, tokenizer
 
 
+DRAFTERS = ("model", "ngram", "layer_skip")
+
+
+def make_drafter(config: ml_collections.ConfigDict, target, draft=None):
+  """The drafter config.drafter names, with its sub-config.
+
+  model: the draft model (config.draft), dynamic gamma when
+    config.confidence_threshold > 0;
+  ngram: prompt lookup with config.ngram.max_n / min_n;
+  layer_skip: the target's first config.layer_skip.num_layers layers, dynamic
+    gamma as for model.
+  """
+  if config.drafter == "model":
+    return ModelDrafter(draft, confidence_threshold=config.confidence_threshold)
+  if config.drafter == "ngram":
+    return NgramDrafter(target.vocab_size, max_n=config.ngram.max_n,
+                        min_n=config.ngram.min_n)
+  if config.drafter == "layer_skip":
+    return LayerSkipDrafter(target, num_layers=config.layer_skip.num_layers,
+                            confidence_threshold=config.confidence_threshold)
+  raise ValueError(f"drafter={config.drafter!r}: choose one of {DRAFTERS}.")
+
+
+def load_models(config: ml_collections.ConfigDict):
+  """(target, drafter, tokenizer) as the config describes them.
+
+  The draft model is loaded only for drafter=model; the others need none.
+  """
+  if config.drafter not in DRAFTERS:
+    raise ValueError(f"drafter={config.drafter!r}: choose one of {DRAFTERS}.")
+  if config.drafter == "model":
+    target, draft, tokenizer = load_pair(config.target, config.draft)
+  else:
+    (target, tokenizer), draft = checkpoint.load_model(
+        resolve(config.target)), None
+  return target, make_drafter(config, target, draft), tokenizer
+
+
+def describe(target, drafter) -> str:
+  """One line naming the models, for logs."""
+  draft = getattr(drafter, "model", None)
+  what = (f"draft {draft.num_params:,} params" if draft is not None
+          else type(drafter).__name__)
+  return f"target {target.num_params:,} params, {what}"
+
+
 def load_prompts(config: ml_collections.ConfigDict, tokenizer) -> list[str]:
-  """config.prompts_file (one prompt per line), else held-out corpus files."""
+  """config.prompts_file (one prompt per line), else held-out corpus files,
+  each followed by its own first lines again when config.repeat_prompts."""
   if config.prompts_file:
     path = pathlib.Path(config.prompts_file)
     if not path.exists():
@@ -50,21 +97,28 @@ def load_prompts(config: ml_collections.ConfigDict, tokenizer) -> list[str]:
     return prompts[:config.num_prompts]
   _, heldout = data.split_texts(data.corpus_files(config.corpus),
                                 config.heldout_percent)
-  return data.prompts_from_texts(tokenizer, heldout, config.num_prompts,
-                                 config.prompt_tokens, config.seed)
+  prompts = data.prompts_from_texts(tokenizer, heldout, config.num_prompts,
+                                    config.prompt_tokens, config.seed)
+  if config.get("repeat_prompts", False):
+    prompts = data.repeating_prompts(prompts)
+  return prompts
 
 
 def parse_temperatures(text) -> list[float]:
   return [float(t) for t in str(text).split(",") if t.strip()]
 
 
-def _decode_all(decode, prompt_ids, batch_size):
-  """Runs decode over prompts in batches; returns (results, seconds)."""
+def _decode_all(decode, prompt_ids, batch_size, width):
+  """Runs decode over prompts in batches; returns (results, seconds).
+
+  Every batch is padded to one width, so one compiled program serves all and
+  no compilation falls inside the timing.
+  """
   results, seconds = [], 0.0
   for start in range(0, len(prompt_ids), batch_size):
     batch = prompt_ids[start:start + batch_size]
     batch = batch + [batch[-1]] * (batch_size - len(batch))  # fixed shape
-    prompts, lengths = pad_prompts(batch)
+    prompts, lengths = pad_prompts(batch, min_width=width)
     begin = time.perf_counter()
     result = jax.block_until_ready(decode(prompts, lengths))
     seconds += time.perf_counter() - begin
@@ -81,7 +135,7 @@ def _rows(results: list[DecodeResult], count: int) -> list[list[int]]:
   return rows[:count]
 
 
-def compare(config: ml_collections.ConfigDict, target, draft, tokenizer,
+def compare(config: ml_collections.ConfigDict, target, drafter, tokenizer,
             prompts: list[str]) -> list[dict]:
   """AR and SD on the same prompts and settings, one RUN per temperature.
 
@@ -89,7 +143,7 @@ def compare(config: ml_collections.ConfigDict, target, draft, tokenizer,
   """
   prompt_ids = [tokenizer.encode(p).ids or [0] for p in prompts]
   eos_id = tokenizer.token_to_id(data.EOS)
-  drafter = ModelDrafter(draft)
+  width = pad_prompts(prompt_ids)[0].shape[1]
   runs = []
   for index, temperature in enumerate(parse_temperatures(config.temperature)):
     decode_config = DecodeConfig(
@@ -102,9 +156,12 @@ def compare(config: ml_collections.ConfigDict, target, draft, tokenizer,
                                               decode_config)
     sd = lambda p, n: generate(key, target, drafter, p, n, decode_config)
     for decode in (ar, sd):  # warm-up: compile outside the timing
-      _decode_all(decode, prompt_ids[:config.batch_size], config.batch_size)
-    ar_results, ar_seconds = _decode_all(ar, prompt_ids, config.batch_size)
-    sd_results, sd_seconds = _decode_all(sd, prompt_ids, config.batch_size)
+      _decode_all(decode, prompt_ids[:config.batch_size], config.batch_size,
+                  width)
+    ar_results, ar_seconds = _decode_all(ar, prompt_ids, config.batch_size,
+                                         width)
+    sd_results, sd_seconds = _decode_all(sd, prompt_ids, config.batch_size,
+                                         width)
     ar_rows = _rows(ar_results, len(prompts))
     sd_rows = _rows(sd_results, len(prompts))
     ar_tokens, sd_tokens = sum(map(len, ar_rows)), sum(map(len, sd_rows))
@@ -134,6 +191,51 @@ def compare(config: ml_collections.ConfigDict, target, draft, tokenizer,
                     for p, a, s in zip(prompts, ar_rows, sd_rows)],
     })
   return runs
+
+
+def compare_drafters(config: ml_collections.ConfigDict, log=print
+                     ) -> list[dict]:
+  """`compare` for each of config.variants (name -> config overrides).
+
+  Returns one row per (variant, temperature): the drafter, gamma, alpha
+  (mean sum_x min(p, q)), acceptance rate, tau, tokens/s and the speedup.
+  """
+  rows = []
+  for index, (name, overrides) in enumerate(config.variants.items()):
+    variant = ml_collections.ConfigDict(config.to_dict())
+    del variant["variants"]
+    variant.update(overrides)
+    target, drafter, tokenizer = load_models(variant)
+    prompts = load_prompts(variant, tokenizer)
+    for run in compare(variant, target, drafter, tokenizer, prompts):
+      sd = run["sd"]
+      rows.append({
+          "variant": name, "drafter": variant.drafter, "gamma": run["gamma"],
+          "temperature": run["temperature"],
+          "alpha_min_pq": sd["mean_overlap"],
+          "acceptance_rate": sd["acceptance_rate"],
+          "tokens_per_cycle": sd["tokens_per_cycle"],
+          "ar_tokens_per_s": run["ar"]["tokens_per_s"],
+          "sd_tokens_per_s": sd["tokens_per_s"], "speedup": run["speedup"],
+          "overrides": overrides.to_dict() if hasattr(overrides, "to_dict")
+                       else dict(overrides)})
+      log(f"[{index + 1}/{len(config.variants)}] {name}, "
+          f"T={run['temperature']:g}: alpha {sd['mean_overlap']:.3f}, tau "
+          f"{sd['tokens_per_cycle']:.2f}, speedup {run['speedup']:.2f}x")
+  return rows
+
+
+def format_drafter_table(rows: list[dict]) -> str:
+  width = max(len(r["variant"]) for r in rows)
+  lines = [f"{'drafter':<{width}} {'T':>3} {'gamma':>5} {'alpha':>6} "
+           f"{'tau':>5} {'AR tok/s':>8} {'SD tok/s':>8} {'speedup':>7}"]
+  for r in rows:
+    lines.append(
+        f"{r['variant']:<{width}} {r['temperature']:>3g} {r['gamma']:>5d} "
+        f"{r['alpha_min_pq']:>6.3f} {r['tokens_per_cycle']:>5.2f} "
+        f"{r['ar_tokens_per_s']:>8.1f} {r['sd_tokens_per_s']:>8.1f} "
+        f"{r['speedup']:>6.2f}x")
+  return "\n".join(lines)
 
 
 def format_table(runs: list[dict]) -> str:
@@ -175,7 +277,7 @@ def two_sample_p_values(a: np.ndarray, b: np.ndarray,
   return p_values
 
 
-def exactness(config: ml_collections.ConfigDict, target, draft, tokenizer,
+def exactness(config: ml_collections.ConfigDict, target, drafter, tokenizer,
               workdir: str) -> dict:
   """Draws config.num_samples AR and SD continuations per sampling setting.
 
@@ -185,7 +287,6 @@ def exactness(config: ml_collections.ConfigDict, target, draft, tokenizer,
   """
   prompt_ids = tokenizer.encode(config.prompt).ids
   prompts, lengths = pad_prompts([prompt_ids] * config.batch_size)
-  drafter = ModelDrafter(draft)
   settings = []
   for setting in config.settings.split(","):
     temperature, top_p = (float(x) for x in setting.split(":"))

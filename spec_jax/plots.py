@@ -81,6 +81,28 @@ def acceptance_by_position_figure(rows) -> Figure:
   return figure
 
 
+def drafters_figure(rows) -> Figure:
+  """Speedup of each drafter variant, one bar per temperature."""
+  variants = list(dict.fromkeys(r["variant"] for r in rows))
+  temperatures = sorted({r["temperature"] for r in rows})
+  figure = Figure(figsize=(7, 0.5 * len(variants) + 1.5), layout="constrained")
+  axes = figure.add_subplot()
+  height = 0.8 / len(temperatures)
+  for index, temperature in enumerate(temperatures):
+    speedups = {r["variant"]: r["speedup"] for r in rows
+                if r["temperature"] == temperature}
+    axes.barh(np.arange(len(variants)) + index * height,
+              [speedups.get(v, np.nan) for v in variants], height,
+              label=f"T={temperature:g}")
+  axes.set_yticks(np.arange(len(variants)) + 0.4 - height / 2, variants)
+  axes.invert_yaxis()
+  axes.axvline(1.0, color="gray", lw=0.8)
+  axes.set(title="Speedup over autoregressive decoding by drafter",
+           xlabel="speedup (x)")
+  axes.legend()
+  return figure
+
+
 FIGURES = {
     "tokens_per_cycle.png": tokens_per_cycle_figure,
     "speedup.png": speedup_figure,
@@ -88,10 +110,11 @@ FIGURES = {
 }
 
 
-def save_figures(rows, directory: str) -> list[str]:
-  """Writes every figure as PNG into directory; returns the paths."""
+def save_figures(rows, directory: str, figures=None) -> list[str]:
+  """Writes figures ({file name: function of rows}, the sweep's by default)
+  as PNG into directory; returns the paths."""
   paths = []
-  for name, make in FIGURES.items():
+  for name, make in (figures or FIGURES).items():
     path = os.path.join(directory, name)
     # A temporary name, then a rename: no half-written PNG on a crash.
     with tempfile.NamedTemporaryFile(dir=directory, suffix=".png",

@@ -87,7 +87,7 @@ def _best(rows: list[dict], key: str) -> dict:
       for t in temperatures}}
 
 
-def gamma_sweep(config: ml_collections.ConfigDict, target, draft, tokenizer,
+def gamma_sweep(config: ml_collections.ConfigDict, target, drafter, tokenizer,
                 prompts: list[str], log=print) -> dict:
   """Runs every (temperature, gamma) of config on the same prompts.
 
@@ -105,14 +105,14 @@ def gamma_sweep(config: ml_collections.ConfigDict, target, draft, tokenizer,
       run_config = ml_collections.ConfigDict(config.to_dict())
       run_config.gamma = gamma
       run_config.temperature = str(temperature)
-      (run,) = evaluation.compare(run_config, target, draft, tokenizer,
+      (run,) = evaluation.compare(run_config, target, drafter, tokenizer,
                                   prompts)
       decode_config = DecodeConfig(
           gamma=gamma, max_new_tokens=config.max_new_tokens,
           sampling=Sampling(temperature=temperature, top_k=config.top_k,
                             top_p=config.top_p))
       parts = benchmark.component_seconds(
-          target, draft, config.batch_size,
+          target, drafter, config.batch_size,
           width + config.max_new_tokens + gamma + 1, decode_config)
       row = _row(run, parts)
       rows.append(row)

@@ -31,7 +31,10 @@ def tiny_train_config(**overrides):
 def tiny_models(tmp_path_factory):
   """(target dir, draft dir) trained for a few steps on the tiny corpus."""
   root = tmp_path_factory.mktemp("models")
-  training.train(tiny_train_config(), root / "target")
+  # Two layers, so that layer skip has one to skip.
+  training.train(tiny_train_config(model=dict(
+      d_model=32, num_layers=2, num_heads=2, d_ff=64, max_len=128)),
+                 root / "target")
   draft_config = tiny_train_config(
       tokenizer=str(root / "target" / "model"), seed=1,
       model=dict(d_model=16, num_layers=1, num_heads=2, d_ff=32, max_len=128))
@@ -129,12 +132,14 @@ def test_unknown_config_field_is_refused(tmp_path):
   assert result.returncode != 0 and "gama" in result.stderr
 
 
-def test_exactness_smoke_run(tiny_models, tmp_path):
+@pytest.mark.parametrize("drafter", ["model", "ngram", "layer_skip"])
+def test_exactness_smoke_run(tiny_models, tmp_path, drafter):
   target, draft = tiny_models
   result = run_module(
       "experiments.exactness", "--config=configs/exactness.py:runlocal",
       f"--workdir={tmp_path}", f"--config.target={target}",
-      f"--config.draft={draft}")
+      f"--config.draft={draft}", f"--config.drafter={drafter}",
+      "--config.layer_skip.num_layers=1")
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads((tmp_path / "report.json").read_text())
   assert len(report["settings"]) == 2
@@ -155,10 +160,10 @@ def test_builtin_pair_loads_and_greedy_sd_equals_ar():
   config = quickstart_configs.get_config("runlocal")
   config.max_new_tokens = 24
   config.temperature = "0"
-  target, draft, tokenizer = evaluation.load_pair(config.target, config.draft)
+  target, drafter, tokenizer = evaluation.load_models(config)
   prompts = evaluation.load_prompts(config, tokenizer)
   assert len(prompts) == config.num_prompts
-  (run,) = evaluation.compare(config, target, draft, tokenizer, prompts)
+  (run,) = evaluation.compare(config, target, drafter, tokenizer, prompts)
   for sample in run["samples"]:
     assert sample["sd_tokens"] == sample["ar_tokens"]
     assert len(sample["sd_tokens"]) > 0
@@ -204,3 +209,26 @@ def test_gamma_sweep_refuses_bad_gammas_before_loading(tmp_path):
                       "--config=configs/gamma_sweep.py", f"--workdir={tmp_path}",
                       "--config.gammas=0,2")
   assert result.returncode != 0 and "gammas >= 1" in result.stderr
+
+
+def test_compare_drafters_smoke_run(tiny_models, tmp_path):
+  target, draft = tiny_models
+  result = run_module(
+      "experiments.compare_drafters",
+      "--config=configs/compare_drafters.py:runlocal", f"--workdir={tmp_path}",
+      f"--config.target={target}", f"--config.draft={draft}",
+      f"--config.corpus={CORPUS}", "--config.prompt_tokens=8",
+      "--config.temperature=0", "--config.variants.layer_skip.layer_skip."
+      "num_layers=1")
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = json.loads((tmp_path / "drafters.json").read_text())["rows"]
+  assert {r["drafter"] for r in rows} == {"model", "ngram", "layer_skip"}
+  for row in rows:
+    assert row["tokens_per_cycle"] >= 1 and row["speedup"] > 0
+  assert (tmp_path / "drafters.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_unknown_drafter_is_refused(tmp_path):
+  result = run_module("experiments.run", "--config=configs/quickstart.py",
+                      f"--workdir={tmp_path}", "--config.drafter=medusa")
+  assert result.returncode != 0 and "choose one of" in result.stderr

@@ -1,0 +1,45 @@
+"""Drafters side by side on the built-in target: alpha, tau, speedup.
+
+  python -m experiments.compare_drafters --config=configs/compare_drafters.py --workdir=/tmp/drafters
+
+Each variant is the main job's config (configs/quickstart.py) with a few
+fields overridden, run on the same held-out prompts at every temperature.
+Writes drafters.json and drafters.png. Smoke run:
+--config=configs/compare_drafters.py:runlocal
+"""
+
+import ml_collections
+
+from configs import quickstart
+
+
+def get_config(arg=None):
+  config = quickstart.get_config()
+  del config["gamma"]  # each variant sets its own
+  # name -> overrides of the main job's config.
+  variants = {
+      "draft model, gamma 8": dict(drafter="model", gamma=8),
+      "draft model, dynamic gamma": dict(drafter="model", gamma=12,
+                                         confidence_threshold=0.4),
+      "prompt lookup": dict(drafter="ngram", gamma=4),
+      "prompt lookup, edit input": dict(drafter="ngram", gamma=8,
+                                        repeat_prompts=True,
+                                        prompt_tokens=160),
+      "draft model, edit input": dict(drafter="model", gamma=8,
+                                      repeat_prompts=True, prompt_tokens=160),
+  }
+  for k in (1, 2, 3, 4, 5):
+    variants[f"layer skip, {k} of 6 layers"] = dict(
+        drafter="layer_skip", gamma=4, layer_skip=dict(num_layers=k))
+  config.variants = variants
+  if arg == "runlocal":
+    config.variants = {
+        "draft_model": dict(drafter="model", gamma=2),
+        "prompt_lookup": dict(drafter="ngram", gamma=2, repeat_prompts=True),
+        "layer_skip": dict(drafter="layer_skip", gamma=2,
+                           layer_skip=dict(num_layers=1),
+                           confidence_threshold=0.2),
+    }
+    config.num_prompts = 2
+    config.max_new_tokens = 8
+  return config

@@ -1,0 +1,37 @@
+"""Drafters side by side: drafters.json and drafters.png in the workdir.
+
+  python -m experiments.compare_drafters --config=configs/compare_drafters.py --workdir=DIR
+"""
+
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from spec_jax import evaluation, plots, records
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Comparison config.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where to write the results.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # Orbax's INFO lines drown progress.
+  config = _CONFIG.value
+  records.check_writable(_WORKDIR.value)
+  rows = evaluation.compare_drafters(
+      config, log=lambda line: print(line, flush=True))
+  print(evaluation.format_drafter_table(rows))
+  workdir = _WORKDIR.value
+  records.write_json(os.path.join(workdir, "drafters.json"), {
+      "code_version": records.code_version(), "config": config.to_dict(),
+      "rows": rows})
+  plots.save_figures(rows, workdir, {"drafters.png": plots.drafters_figure})
+  print(f"wrote drafters.json and drafters.png to {workdir}")
+
+
+if __name__ == "__main__":
+  app.run(main)
