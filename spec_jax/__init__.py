@@ -19,7 +19,9 @@ from spec_jax.decoding import (
     verify,
 )
 from spec_jax.drafting import Drafter, ModelDrafter, propose
-from spec_jax.model import KVCache, Model, Transformer, TransformerConfig, score
+from spec_jax.hf import ModelBundle, load_hf, save_hf
+from spec_jax.model import (KVCache, Model, RopeScaling, Transformer,
+                            TransformerConfig, score)
 from spec_jax.rejection import (
     acceptance_probs,
     correction_probs,
@@ -30,8 +32,9 @@ from spec_jax.sampling import Sampling
 
 __all__ = [
     "PAD_ID", "DecodeConfig", "DecodeResult", "DecodeStats", "Drafter",
-    "KVCache", "Model", "ModelDrafter", "Sampling", "Transformer",
-    "TransformerConfig", "acceptance_probs", "correction_probs", "generate",
-    "generate_autoregressive", "overlap", "pad_prompts", "propose", "resample",
-    "score", "verify",
+    "KVCache", "Model", "ModelBundle", "ModelDrafter", "RopeScaling",
+    "Sampling", "Transformer", "TransformerConfig", "acceptance_probs",
+    "correction_probs", "generate", "generate_autoregressive", "load_hf",
+    "overlap", "pad_prompts", "propose", "resample", "save_hf", "score",
+    "verify",
 ]

@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 from scipy import stats
 
-from spec_jax import checkpoint, data, records
+from spec_jax import checkpoint, data, hf, records
 from spec_jax.decoding import (DecodeConfig, DecodeResult, generate,
                                generate_autoregressive, pad_prompts)
 from spec_jax.drafting import ModelDrafter
@@ -28,16 +28,38 @@ def resolve(path: str) -> pathlib.Path:
   return pathlib.Path(path)
 
 
+def load(path: str) -> hf.ModelBundle:
+  """'hf:DIR' is a Hugging Face folder (or hub name), anything else a model
+  directory (see `resolve`)."""
+  if path.startswith("hf:"):
+    return hf.load_hf(path.removeprefix("hf:"))
+  model, tokenizer = checkpoint.load_model(resolve(path))
+  return hf.ModelBundle(model, tokenizer, tokenizer.token_to_id(data.EOS))
+
+
 def load_pair(target_path: str, draft_path: str):
-  """(target, draft, tokenizer); the two must share a tokenizer."""
-  target, tokenizer = checkpoint.load_model(resolve(target_path))
-  draft, draft_tokenizer = checkpoint.load_model(resolve(draft_path))
-  if draft_tokenizer.to_str() != tokenizer.to_str():
+  """(target, draft, tokenizer); the two must share a vocabulary."""
+  target, draft = load(target_path), load(draft_path)
+  if draft.model.vocab_size != target.model.vocab_size:
+    raise ValueError(
+        f"the draft at {draft_path} has {draft.model.vocab_size} token ids and "
+        f"the target at {target_path} {target.model.vocab_size}; speculative "
+        "decoding needs one vocabulary. Pick a draft of the target's family.")
+  if (draft.tokenizer.get_vocab(with_added_tokens=True)
+      != target.tokenizer.get_vocab(with_added_tokens=True)):
     raise ValueError(
         f"the draft at {draft_path} and the target at {target_path} use "
         "different tokenizers; speculative decoding needs one vocabulary. "
         "Train the draft with --config.tokenizer=<target model directory>.")
-  return target, draft, tokenizer
+  return target.model, draft.model, target.tokenizer
+
+
+def eos_id(path: str, tokenizer) -> int | None:
+  """The end-of-sequence id of the model at path ('hf:DIR' reads the
+  checkpoint's own)."""
+  if path.startswith("hf:"):
+    return hf.load_eos_id(path.removeprefix("hf:"))
+  return tokenizer.token_to_id(data.EOS)
 
 
 def load_prompts(config: ml_collections.ConfigDict, tokenizer) -> list[str]:
@@ -88,7 +110,7 @@ def compare(config: ml_collections.ConfigDict, target, draft, tokenizer,
   Each decode is compiled and warmed up on the first batch before timing.
   """
   prompt_ids = [tokenizer.encode(p).ids or [0] for p in prompts]
-  eos_id = tokenizer.token_to_id(data.EOS)
+  end_id = eos_id(config.target, tokenizer)
   drafter = ModelDrafter(draft)
   runs = []
   for index, temperature in enumerate(parse_temperatures(config.temperature)):
@@ -96,7 +118,7 @@ def compare(config: ml_collections.ConfigDict, target, draft, tokenizer,
         gamma=config.gamma, max_new_tokens=config.max_new_tokens,
         sampling=Sampling(temperature=temperature, top_k=config.top_k,
                           top_p=config.top_p),
-        eos_id=eos_id)
+        eos_id=end_id)
     key = jax.random.key(config.seed + index)
     ar = lambda p, n: generate_autoregressive(key, target, p, n,
                                               decode_config)
