@@ -156,3 +156,15 @@ def test_export_round_trip_matches_transformers(tmp_path):
     np.testing.assert_allclose(
         _torch_logits(_torch_model(tmp_path / name), TOKENS),
         np.asarray(sj.score(model, TOKENS)), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_compare_hf_benchmark_runs(tmp_path):
+  from configs import compare_hf as compare_hf_configs
+  from spec_jax import hf_compare
+  report = hf_compare.compare(compare_hf_configs.get_config("runlocal"),
+                              tmp_path)
+  greedy = report["rows"][0]
+  assert greedy["greedy_rows_equal_to_hf_plain"]["sd"] == 1.0
+  assert greedy["hf_assisted"]["target_passes"] > 0
+  assert "error" in report["rows"][1]["hf_assisted"]  # batch 2
