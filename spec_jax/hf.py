@@ -193,18 +193,18 @@ def _tensor_names(config: TransformerConfig) -> dict[tuple, list[str]]:
   names[("embed", "embedding")] = ["model.embed_tokens.weight"]
   for i in range(config.num_layers):
     prefix = f"model.layers.{i}."
-    block = lambda *path: (f"block_{i}",) + path  # pylint: disable=cell-var-from-loop
-    names[block("ln_attn", "scale")] = [prefix + "input_layernorm.weight"]
-    names[block("qkv", "kernel")] = [
+    block = f"block_{i}"
+    names[(block, "ln_attn", "scale")] = [prefix + "input_layernorm.weight"]
+    names[(block, "qkv", "kernel")] = [
         f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"]
     if config.qkv_bias:
-      names[block("qkv", "bias")] = [
+      names[(block, "qkv", "bias")] = [
           f"{prefix}self_attn.{p}_proj.bias" for p in "qkv"]
-    names[block("attn_out", "kernel")] = [prefix + "self_attn.o_proj.weight"]
-    names[block("ln_mlp", "scale")] = [prefix + "post_attention_layernorm.weight"]
-    names[block("mlp_in", "kernel")] = [prefix + "mlp.gate_proj.weight",
+    names[(block, "attn_out", "kernel")] = [prefix + "self_attn.o_proj.weight"]
+    names[(block, "ln_mlp", "scale")] = [prefix + "post_attention_layernorm.weight"]
+    names[(block, "mlp_in", "kernel")] = [prefix + "mlp.gate_proj.weight",
                                         prefix + "mlp.up_proj.weight"]
-    names[block("mlp_out", "kernel")] = [prefix + "mlp.down_proj.weight"]
+    names[(block, "mlp_out", "kernel")] = [prefix + "mlp.down_proj.weight"]
   names[("ln_final", "scale")] = ["model.norm.weight"]
   if not config.tie_embeddings:
     names[("lm_head", "kernel")] = ["lm_head.weight"]

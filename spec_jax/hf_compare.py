@@ -147,6 +147,7 @@ def compare(config: ml_collections.ConfigDict, workdir) -> dict:
              "gamma": config.gamma, "num_prompts": count,
              "prompt_tokens": width}
       outputs = {}
+
       def reset_counts():
         target_passes.count = draft_passes.count = 0
         sd_stats.clear()
