@@ -40,17 +40,17 @@ def load(path: str) -> hf.ModelBundle:
 def load_pair(target_path: str, draft_path: str):
   """(target, draft, tokenizer); the two must share a vocabulary."""
   target, draft = load(target_path), load(draft_path)
-  if draft.model.vocab_size != target.model.vocab_size:
-    raise ValueError(
-        f"the draft at {draft_path} has {draft.model.vocab_size} token ids and "
-        f"the target at {target_path} {target.model.vocab_size}; speculative "
-        "decoding needs one vocabulary. Pick a draft of the target's family.")
   if (draft.tokenizer.get_vocab(with_added_tokens=True)
       != target.tokenizer.get_vocab(with_added_tokens=True)):
     raise ValueError(
         f"the draft at {draft_path} and the target at {target_path} use "
         "different tokenizers; speculative decoding needs one vocabulary. "
         "Train the draft with --config.tokenizer=<target model directory>.")
+  if draft.model.vocab_size != target.model.vocab_size:
+    raise ValueError(
+        f"the draft at {draft_path} has {draft.model.vocab_size} token ids and "
+        f"the target at {target_path} {target.model.vocab_size}; speculative "
+        "decoding needs one vocabulary. Pick a draft of the target's family.")
   return target.model, draft.model, target.tokenizer
 
 
