@@ -35,12 +35,11 @@ import dataclasses
 import functools
 import math
 
-import numpy as np
-
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Masked attention scores. Finite rather than -inf so that a query that sees no
 # key at all (never used, but possible in padding rows) gives no NaN.
