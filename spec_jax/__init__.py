@@ -26,7 +26,9 @@ from spec_jax.drafting import (
     prompt_lookup,
     propose,
 )
-from spec_jax.model import KVCache, Model, Transformer, TransformerConfig, score
+from spec_jax.hf import ModelBundle, load_hf, save_hf
+from spec_jax.model import (KVCache, Model, RopeScaling, Transformer,
+                            TransformerConfig, score)
 from spec_jax.rejection import (
     acceptance_probs,
     correction_probs,
@@ -37,10 +39,9 @@ from spec_jax.sampling import Sampling
 
 __all__ = [
     "PAD_ID", "DecodeConfig", "DecodeResult", "DecodeStats", "Drafter",
-    "KVCache", "LayerSkipDrafter", "Model", "ModelDrafter", "NgramDrafter",
-    "Sampling", "Transformer",
+    "KVCache", "LayerSkipDrafter", "Model", "ModelBundle", "ModelDrafter",
+    "NgramDrafter", "RopeScaling", "Sampling", "Transformer",
     "TransformerConfig", "acceptance_probs", "correction_probs", "generate",
-    "generate_autoregressive", "overlap", "pad_prompts", "prompt_lookup",
-    "propose", "resample",
-    "score", "verify",
+    "generate_autoregressive", "load_hf", "overlap", "pad_prompts",
+    "prompt_lookup", "propose", "resample", "save_hf", "score", "verify",
 ]

@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 from scipy import stats
 
-from spec_jax import checkpoint, data, records
+from spec_jax import checkpoint, data, hf, records
 from spec_jax.decoding import (DecodeConfig, DecodeResult, generate,
                                generate_autoregressive, pad_prompts)
 from spec_jax.drafting import LayerSkipDrafter, ModelDrafter, NgramDrafter
@@ -28,16 +28,38 @@ def resolve(path: str) -> pathlib.Path:
   return pathlib.Path(path)
 
 
+def load(path: str) -> hf.ModelBundle:
+  """'hf:DIR' is a Hugging Face folder (or hub name), anything else a model
+  directory (see `resolve`)."""
+  if path.startswith("hf:"):
+    return hf.load_hf(path.removeprefix("hf:"))
+  model, tokenizer = checkpoint.load_model(resolve(path))
+  return hf.ModelBundle(model, tokenizer, tokenizer.token_to_id(data.EOS))
+
+
 def load_pair(target_path: str, draft_path: str):
-  """(target, draft, tokenizer); the two must share a tokenizer."""
-  target, tokenizer = checkpoint.load_model(resolve(target_path))
-  draft, draft_tokenizer = checkpoint.load_model(resolve(draft_path))
-  if draft_tokenizer.to_str() != tokenizer.to_str():
+  """(target, draft, tokenizer); the two must share a vocabulary."""
+  target, draft = load(target_path), load(draft_path)
+  if (draft.tokenizer.get_vocab(with_added_tokens=True)
+      != target.tokenizer.get_vocab(with_added_tokens=True)):
     raise ValueError(
         f"the draft at {draft_path} and the target at {target_path} use "
         "different tokenizers; speculative decoding needs one vocabulary. "
         "Train the draft with --config.tokenizer=<target model directory>.")
-  return target, draft, tokenizer
+  if draft.model.vocab_size != target.model.vocab_size:
+    raise ValueError(
+        f"the draft at {draft_path} has {draft.model.vocab_size} token ids and "
+        f"the target at {target_path} {target.model.vocab_size}; speculative "
+        "decoding needs one vocabulary. Pick a draft of the target's family.")
+  return target.model, draft.model, target.tokenizer
+
+
+def eos_id(path: str, tokenizer) -> int | None:
+  """The end-of-sequence id of the model at path ('hf:DIR' reads the
+  checkpoint's own)."""
+  if path.startswith("hf:"):
+    return hf.load_eos_id(path.removeprefix("hf:"))
+  return tokenizer.token_to_id(data.EOS)
 
 
 DRAFTERS = ("model", "ngram", "layer_skip")
@@ -73,8 +95,8 @@ def load_models(config: ml_collections.ConfigDict):
   if config.drafter == "model":
     target, draft, tokenizer = load_pair(config.target, config.draft)
   else:
-    (target, tokenizer), draft = checkpoint.load_model(
-        resolve(config.target)), None
+    bundle, draft = load(config.target), None
+    target, tokenizer = bundle.model, bundle.tokenizer
   return target, make_drafter(config, target, draft), tokenizer
 
 
@@ -142,7 +164,7 @@ def compare(config: ml_collections.ConfigDict, target, drafter, tokenizer,
   Each decode is compiled and warmed up on the first batch before timing.
   """
   prompt_ids = [tokenizer.encode(p).ids or [0] for p in prompts]
-  eos_id = tokenizer.token_to_id(data.EOS)
+  end_id = eos_id(config.target, tokenizer)
   width = pad_prompts(prompt_ids)[0].shape[1]
   runs = []
   for index, temperature in enumerate(parse_temperatures(config.temperature)):
@@ -150,7 +172,7 @@ def compare(config: ml_collections.ConfigDict, target, drafter, tokenizer,
         gamma=config.gamma, max_new_tokens=config.max_new_tokens,
         sampling=Sampling(temperature=temperature, top_k=config.top_k,
                           top_p=config.top_p),
-        eos_id=eos_id)
+        eos_id=end_id)
     key = jax.random.key(config.seed + index)
     ar = lambda p, n: generate_autoregressive(key, target, p, n,
                                               decode_config)

@@ -21,6 +21,14 @@ one row, after prefill of "a b c" padded to 5 and a rejected draft "x y":
 
 Layers are separate parameter and cache arrays, unrolled in Python: on CPU this
 was measurably faster than `lax.scan` over stacked layers (see README).
+
+One block covers three families of published checkpoints, chosen by config
+switches whose defaults are GPT-2's (and the built-in pair's):
+
+  GPT-2   LayerNorm, learned positions, GELU MLP, biases, tied embeddings;
+  Llama   RMSNorm, rotary positions (with Llama-3 scaling), SwiGLU MLP,
+          grouped-query attention, no biases, tied or untied embeddings;
+  Qwen2   Llama with biases on the query, key and value projections.
 """
 
 import dataclasses
@@ -31,6 +39,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Masked attention scores. Finite rather than -inf so that a query that sees no
 # key at all (never used, but possible in padding rows) gives no NaN.
@@ -38,22 +47,71 @@ _MASKED = -1e30
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+  """Llama-3's rotary frequency scaling (HF rope_type "llama3").
+
+  Wavelengths longer than original_max_len / low_freq_factor are stretched by
+  `factor`, those shorter than original_max_len / high_freq_factor are kept,
+  and the ones between are interpolated.
+  """
+
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_len: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
-  """Static sizes of a GPT-2-like decoder."""
+  """Static sizes and architecture switches of a decoder.
+
+  The defaults of the switches give the GPT-2-like model of the built-in pair.
+  """
 
   vocab_size: int
   d_model: int = 256
   num_layers: int = 4
   num_heads: int = 4
   d_ff: int = 1024
-  max_len: int = 1024  # Number of learned positions.
+  max_len: int = 1024  # Positions the model supports (learned table rows).
   dtype: str = "float32"  # Parameter and activation dtype.
+  norm: str = "layer"  # "layer" (LayerNorm) or "rms" (RMSNorm).
+  norm_eps: float = 1e-6
+  position: str = "learned"  # "learned" table or "rope" (rotary).
+  rope_theta: float = 10_000.0
+  rope_scaling: RopeScaling | None = None
+  mlp: str = "gelu"  # "gelu" (tanh approximation) or "swiglu".
+  num_kv_heads: int | None = None  # Key/value heads (GQA); None: num_heads.
+  qkv_bias: bool = True  # Biases on the query, key and value projections.
+  bias: bool = True  # Biases on the attention output and MLP projections.
+  tie_embeddings: bool = True  # Output projection = input embedding.
 
   def __post_init__(self):
+    # Normalised here so that equal models have equal (hashable) configs and
+    # `TransformerConfig(**json.load(...))` restores a saved one.
+    if self.num_kv_heads is None:
+      object.__setattr__(self, "num_kv_heads", self.num_heads)
+    if isinstance(self.rope_scaling, dict):
+      object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+    choices = {"norm": ("layer", "rms"), "position": ("learned", "rope"),
+               "mlp": ("gelu", "swiglu")}
+    for name, allowed in choices.items():
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"{name}={getattr(self, name)!r}; expected one of "
+                         f"{allowed}.")
     if self.d_model % self.num_heads:
       raise ValueError(
           f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}."
       )
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
+          f"{self.num_kv_heads}; each key/value head serves a whole group.")
+    if self.position == "rope" and self.head_dim % 2:
+      raise ValueError(f"rotary positions need an even head_dim, got "
+                       f"{self.head_dim}.")
+    if self.rope_scaling is not None and self.position != "rope":
+      raise ValueError("rope_scaling is set but position is not 'rope'.")
 
   @property
   def head_dim(self) -> int:
@@ -64,7 +122,7 @@ class TransformerConfig:
 class KVCache:
   """Per-layer keys and values, with a length pointer per row.
 
-  keys[i], values[i]: [B, H, S, D_head] for layer i.
+  keys[i], values[i]: [B, K, S, D_head] for layer i, K = num_kv_heads.
   lengths: [B] int32, number of valid slots in each row. Slots at and beyond it
     hold stale values that the attention mask hides.
   """
@@ -85,7 +143,7 @@ class KVCache:
 def init_cache(
     config: TransformerConfig, batch_size: int, max_len: int
 ) -> KVCache:
-  shape = (batch_size, config.num_heads, max_len, config.head_dim)
+  shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
   zeros = lambda: tuple(
       jnp.zeros(shape, config.dtype) for _ in range(config.num_layers)
   )
@@ -110,52 +168,112 @@ class Linear(nn.Module):
 
   features: int
   dtype: str
+  use_bias: bool = True
 
   @nn.compact
   def __call__(self, x):
     kernel = self.param("kernel", nn.initializers.lecun_normal(),
                         (self.features, x.shape[-1]), self.dtype)
-    bias = self.param("bias", nn.initializers.zeros, (self.features,),
+    y = jnp.einsum("...d,fd->...f", x, kernel)
+    if self.use_bias:
+      y += self.param("bias", nn.initializers.zeros, (self.features,),
                       self.dtype)
-    return jnp.einsum("...d,fd->...f", x, kernel) + bias
+    return y
+
+
+def rope_frequencies(config: TransformerConfig) -> np.ndarray:
+  """[head_dim / 2] float32 rotary inverse frequencies, as HF computes them."""
+  dim = config.head_dim
+  inv_freq = 1.0 / (np.float32(config.rope_theta)
+                    ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+  scaling = config.rope_scaling
+  if scaling is not None:
+    wavelength = 2 * np.pi / inv_freq
+    low = scaling.original_max_len / scaling.low_freq_factor
+    high = scaling.original_max_len / scaling.high_freq_factor
+    smooth = ((scaling.original_max_len / wavelength - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    inv_freq = np.where(wavelength > low, inv_freq / scaling.factor,
+                        np.where(wavelength < high, inv_freq, interpolated))
+  return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array,
+               inv_freq: np.ndarray) -> jax.Array:
+  """Rotates x [B, T, ..., Dh] by positions [B, T].
+
+  The "rotate half" pairing of HF checkpoints: dimension i turns with i + Dh/2.
+  """
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, Dh/2]
+  angles = jnp.concatenate([angles, angles], -1)
+  angles = angles.reshape(angles.shape[:2] + (1,) * (x.ndim - 3) + (-1,))
+  first, second = jnp.split(x, 2, axis=-1)
+  rotated = jnp.concatenate([-second, first], -1)
+  return (x * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+def _norm(config: TransformerConfig, name: str) -> nn.Module:
+  if config.norm == "rms":
+    return nn.RMSNorm(epsilon=config.norm_eps, dtype=config.dtype,
+                      param_dtype=config.dtype, name=name)
+  return nn.LayerNorm(epsilon=config.norm_eps, dtype=config.dtype,
+                      param_dtype=config.dtype, name=name)
 
 
 class Block(nn.Module):
-  """Pre-LayerNorm attention + GELU MLP, as in GPT-2."""
+  """Pre-norm attention and MLP: GPT-2's, or Llama's with its switches."""
 
   config: TransformerConfig
 
   @nn.compact
   def __call__(self, x, positions, keys, values):
-    """x [B, T, D]; positions [B, T]; keys, values [B, H, S, Dh]."""
+    """x [B, T, D]; positions [B, T]; keys, values [B, K, S, Dh]."""
     cfg = self.config
     batch, length, _ = x.shape
-    layer_norm = lambda name: nn.LayerNorm(dtype=cfg.dtype,
-                                           param_dtype=cfg.dtype, name=name)
-    h = layer_norm("ln_attn")(x)
-    qkv = Linear(3 * cfg.d_model, cfg.dtype, name="qkv")(h)
-    qkv = qkv.reshape(batch, length, 3, cfg.num_heads, cfg.head_dim)
-    q, k, v = (jnp.swapaxes(qkv[:, :, i], 1, 2) for i in range(3))  # [B,H,T,Dh]
-    keys = _write(keys, k, positions)
-    values = _write(values, v, positions)
+    heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    group = heads // kv_heads  # Query heads per key/value head.
+    h = _norm(cfg, "ln_attn")(x)
+    # One projection for q, k and v, in this order: one matmul per step.
+    qkv = Linear((heads + 2 * kv_heads) * head_dim, cfg.dtype, cfg.qkv_bias,
+                 name="qkv")(h)
+    q, k, v = jnp.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim],
+                        axis=-1)
+    # Query head h reads key/value head h // group, as HF's repeat_kv does.
+    q = q.reshape(batch, length, kv_heads, group, head_dim)
+    k = k.reshape(batch, length, kv_heads, head_dim)
+    v = v.reshape(batch, length, kv_heads, head_dim)
+    if cfg.position == "rope":
+      inv_freq = rope_frequencies(cfg)
+      q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions,
+                                                            inv_freq)
+    keys = _write(keys, jnp.swapaxes(k, 1, 2), positions)
+    values = _write(values, jnp.swapaxes(v, 1, 2), positions)
 
-    scores = jnp.einsum("bhtd,bhsd->bhts", q, keys) / math.sqrt(cfg.head_dim)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys) / math.sqrt(head_dim)
     slots = jnp.arange(keys.shape[2])
     visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
-    scores = jnp.where(visible[:, None], scores.astype(jnp.float32), _MASKED)
+    scores = jnp.where(visible[:, None, None], scores.astype(jnp.float32),
+                       _MASKED)
     weights = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
-    attended = jnp.einsum("bhts,bhsd->bthd", weights, values)
-    attended = attended.reshape(batch, length, cfg.d_model)
-    x = x + Linear(cfg.d_model, cfg.dtype, name="attn_out")(attended)
+    attended = jnp.einsum("bkgts,bksd->btkgd", weights, values)
+    attended = attended.reshape(batch, length, heads * head_dim)
+    x = x + Linear(cfg.d_model, cfg.dtype, cfg.bias, name="attn_out")(attended)
 
-    h = layer_norm("ln_mlp")(x)
-    h = nn.gelu(Linear(cfg.d_ff, cfg.dtype, name="mlp_in")(h))
-    x = x + Linear(cfg.d_model, cfg.dtype, name="mlp_out")(h)
+    h = _norm(cfg, "ln_mlp")(x)
+    if cfg.mlp == "swiglu":
+      # Gate and up projections in one matmul, gate first.
+      gate, up = jnp.split(
+          Linear(2 * cfg.d_ff, cfg.dtype, cfg.bias, name="mlp_in")(h), 2, -1)
+      h = nn.silu(gate) * up
+    else:
+      h = nn.gelu(Linear(cfg.d_ff, cfg.dtype, cfg.bias, name="mlp_in")(h))
+    x = x + Linear(cfg.d_model, cfg.dtype, cfg.bias, name="mlp_out")(h)
     return x, keys, values
 
 
 class Transformer(nn.Module):
-  """GPT-2-like decoder: learned positions, tied input/output embeddings."""
+  """Decoder: embeddings, `num_layers` blocks, final norm, output projection."""
 
   config: TransformerConfig
 
@@ -190,21 +308,28 @@ class Transformer(nn.Module):
         cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.dtype,
         embedding_init=nn.initializers.normal(0.02), name="embed",
     )
-    position_table = self.param(
-        "positions", nn.initializers.normal(0.01), (cfg.max_len, cfg.d_model),
-        cfg.dtype,
-    )
-    # Positions past max_len only occur in the scratch tail of rows whose
-    # output is already complete, so clipping them changes no emitted token.
-    x = embed(tokens) + position_table[jnp.clip(positions, 0, cfg.max_len - 1)]
+    x = embed(tokens)
+    if cfg.position == "learned":
+      position_table = self.param(
+          "positions", nn.initializers.normal(0.01), (cfg.max_len, cfg.d_model),
+          cfg.dtype,
+      )
+      # Positions past max_len only occur in the scratch tail of rows whose
+      # output is already complete, so clipping them changes no emitted token.
+      x = x + position_table[jnp.clip(positions, 0, cfg.max_len - 1)]
 
     keys, values = list(cache.keys), list(cache.values)
     for i in range(cfg.num_layers if num_layers is None else num_layers):
       x, keys[i], values[i] = Block(cfg, name=f"block_{i}")(
           x, positions, keys[i], values[i]
       )
-    x = nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.dtype, name="ln_final")(x)
-    logits = embed.attend(x).astype(jnp.float32)
+    x = _norm(cfg, "ln_final")(x)
+    if cfg.tie_embeddings:
+      logits = embed.attend(x)
+    else:
+      logits = Linear(cfg.vocab_size, cfg.dtype, use_bias=False,
+                      name="lm_head")(x)
+    logits = logits.astype(jnp.float32)
     cache = KVCache(
         keys=tuple(keys), values=tuple(values), lengths=positions[:, -1] + 1
     )

@@ -1,0 +1,35 @@
+"""Benchmark: spec_jax against HF transformers on the same weights; writes JSON.
+
+  python -m experiments.compare_hf --config=configs/compare_hf.py --workdir=DIR
+"""
+
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from spec_jax import hf_compare, records
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.")
+_WORKDIR = flags.DEFINE_string("workdir", None,
+                               "Where to write compare_hf.json.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  config = _CONFIG.value
+  records.check_writable(_WORKDIR.value)
+  report = hf_compare.compare(config, _WORKDIR.value)
+  print(hf_compare.format_table(report))
+  path = os.path.join(_WORKDIR.value, "compare_hf.json")
+  records.write_json(path, {"code_version": records.code_version(),
+                            "config": config.to_dict(), **report})
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,389 @@
+"""Hugging Face checkpoints: GPT-2, Llama and Qwen2 folders in and out.
+
+A Hugging Face model folder holds config.json, model.safetensors (or shards
+listed in model.safetensors.index.json) and tokenizer.json. `load_hf` reads
+one into a `Model`; `save_hf` writes a `Model` as one, so transformers and
+other tools run the same weights. No torch is needed for either.
+
+Parameter names map one to one, except that spec_jax fuses projections that
+run on the same input into one matmul: q, k and v into `qkv`, and Llama's gate
+and up into `mlp_in`. GPT-2's Conv1D kernels are stored [in, out], the
+transpose of ours.
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors.flax
+import tokenizers
+
+from spec_jax import data
+from spec_jax.model import Model, RopeScaling, TransformerConfig
+
+FAMILIES = ("gpt2", "llama", "qwen2")
+# Buffers some checkpoints store that are not parameters.
+_BUFFERS = re.compile(r".*(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelBundle:
+  """A model with its tokenizer and end-of-sequence token."""
+
+  model: Model
+  tokenizer: tokenizers.Tokenizer
+  eos_id: int | None  # The first of the checkpoint's EOS ids, if any.
+
+
+def family(config: TransformerConfig) -> str:
+  """The HF architecture whose layout holds this config exactly."""
+  gpt2 = dict(norm="layer", position="learned", mlp="gelu", qkv_bias=True,
+              bias=True, tie_embeddings=True)
+  llama = dict(norm="rms", position="rope", mlp="swiglu", bias=False)
+  if all(getattr(config, k) == v for k, v in gpt2.items()):
+    if config.num_kv_heads == config.num_heads:
+      return "gpt2"
+  elif all(getattr(config, k) == v for k, v in llama.items()):
+    return "qwen2" if config.qkv_bias else "llama"
+  raise ValueError(
+      f"no Hugging Face architecture matches {config}; export supports GPT-2 "
+      "(layer norm, learned positions, GELU, biases, tied embeddings) and "
+      "Llama/Qwen2 (RMS norm, rope, SwiGLU, no output biases).")
+
+
+def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
+  """rope_theta and the Llama-3 scaling, from either config.json style.
+
+  Older transformers write rope_theta and rope_scaling at the top level,
+  newer ones one rope_parameters dict.
+  """
+  params = dict(hf.get("rope_scaling") or {})
+  params.update(hf.get("rope_parameters") or {})
+  theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
+  kind = params.get("rope_type", params.get("type", "default"))
+  if params.get("partial_rotary_factor", 1.0) != 1.0:
+    raise ValueError("partial_rotary_factor != 1 is not supported.")
+  if kind == "default":
+    return float(theta), None
+  if kind != "llama3":
+    raise ValueError(f"rope type {kind!r} is not supported; only the default "
+                     "and 'llama3' are.")
+  return float(theta), RopeScaling(
+      factor=float(params["factor"]),
+      low_freq_factor=float(params["low_freq_factor"]),
+      high_freq_factor=float(params["high_freq_factor"]),
+      original_max_len=int(params["original_max_position_embeddings"]))
+
+
+def config_from_hf(hf: dict, dtype: str = "float32") -> TransformerConfig:
+  """The TransformerConfig of an HF config.json dict; unsupported features
+  raise ValueError rather than load into a model that computes something
+  else."""
+  model_type = hf.get("model_type")
+  if model_type == "gpt2":
+    activation = hf.get("activation_function", "gelu_new")
+    if activation not in ("gelu_new", "gelu_pytorch_tanh"):
+      raise ValueError(f"GPT-2 activation {activation!r} is not supported; "
+                       "only the tanh GELU ('gelu_new') is.")
+    if (not hf.get("scale_attn_weights", True)
+        or hf.get("scale_attn_by_inverse_layer_idx", False)):
+      raise ValueError("GPT-2 attention scaling other than 1/sqrt(head_dim) "
+                       "is not supported.")
+    if not hf.get("tie_word_embeddings", True):
+      raise ValueError("GPT-2 with untied embeddings is not supported.")
+    return TransformerConfig(
+        vocab_size=hf["vocab_size"], d_model=hf["n_embd"],
+        num_layers=hf["n_layer"], num_heads=hf["n_head"],
+        d_ff=hf.get("n_inner") or 4 * hf["n_embd"],
+        max_len=hf["n_positions"], dtype=dtype,
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5))
+  if model_type not in ("llama", "qwen2"):
+    raise ValueError(f"model_type {model_type!r} is not supported; spec_jax "
+                     f"reads {', '.join(FAMILIES)}.")
+  heads = hf["num_attention_heads"]
+  if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
+    raise ValueError(f"head_dim={hf['head_dim']} with {heads} heads does not "
+                     f"make hidden_size={hf['hidden_size']}; not supported.")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported.")
+  if model_type == "qwen2":
+    if hf.get("use_sliding_window", False):
+      raise ValueError("Qwen2 sliding-window attention is not supported.")
+    qkv_bias = True
+  else:
+    if hf.get("attention_bias", False) or hf.get("mlp_bias", False):
+      raise ValueError("Llama with attention_bias or mlp_bias is not "
+                       "supported.")
+    qkv_bias = False
+  theta, scaling = _rope(hf)
+  return TransformerConfig(
+      vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
+      num_layers=hf["num_hidden_layers"], num_heads=heads,
+      d_ff=hf["intermediate_size"], max_len=hf["max_position_embeddings"],
+      dtype=dtype, norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6),
+      position="rope", rope_theta=theta, rope_scaling=scaling, mlp="swiglu",
+      num_kv_heads=hf.get("num_key_value_heads") or heads, qkv_bias=qkv_bias,
+      bias=False, tie_embeddings=hf.get("tie_word_embeddings", False))
+
+
+def config_to_hf(config: TransformerConfig) -> dict:
+  """The HF config.json dict of a config that `family` accepts."""
+  kind = family(config)
+  if kind == "gpt2":
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": config.vocab_size, "n_embd": config.d_model,
+        "n_layer": config.num_layers, "n_head": config.num_heads,
+        "n_inner": config.d_ff, "n_positions": config.max_len,
+        "layer_norm_epsilon": config.norm_eps,
+        "activation_function": "gelu_new", "tie_word_embeddings": True,
+        "dtype": config.dtype,
+    }
+  rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+  if config.rope_scaling is not None:
+    scaling = config.rope_scaling
+    rope = {"rope_type": "llama3", "rope_theta": config.rope_theta,
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_len}
+  return {
+      "architectures": ["Qwen2ForCausalLM" if kind == "qwen2"
+                        else "LlamaForCausalLM"],
+      "model_type": kind, "vocab_size": config.vocab_size,
+      "hidden_size": config.d_model, "num_hidden_layers": config.num_layers,
+      "num_attention_heads": config.num_heads,
+      "num_key_value_heads": config.num_kv_heads,
+      "intermediate_size": config.d_ff,
+      "max_position_embeddings": config.max_len,
+      "rms_norm_eps": config.norm_eps, "hidden_act": "silu",
+      "tie_word_embeddings": config.tie_embeddings,
+      # Both styles, so older and newer transformers read it alike.
+      "rope_theta": config.rope_theta, "rope_parameters": rope,
+      "rope_scaling": rope if config.rope_scaling is not None else None,
+      "dtype": config.dtype,
+  }
+
+
+def _tensor_names(config: TransformerConfig) -> dict[tuple, list[str]]:
+  """spec_jax parameter path -> the HF tensors stacked along the output axis
+  (in this order) to form it."""
+  kind = family(config)
+  names = {}
+  if kind == "gpt2":
+    names[("embed", "embedding")] = ["wte.weight"]
+    names[("positions",)] = ["wpe.weight"]
+    norms = {"ln_attn": "ln_1", "ln_mlp": "ln_2"}
+    linears = {"qkv": "attn.c_attn", "attn_out": "attn.c_proj",
+               "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj"}
+    for i in range(config.num_layers):
+      for modules, weight in ((norms, "scale"), (linears, "kernel")):
+        for ours, theirs in modules.items():
+          names[(f"block_{i}", ours, weight)] = [f"h.{i}.{theirs}.weight"]
+          names[(f"block_{i}", ours, "bias")] = [f"h.{i}.{theirs}.bias"]
+    names[("ln_final", "scale")] = ["ln_f.weight"]
+    names[("ln_final", "bias")] = ["ln_f.bias"]
+    return names
+  names[("embed", "embedding")] = ["model.embed_tokens.weight"]
+  for i in range(config.num_layers):
+    prefix = f"model.layers.{i}."
+    block = f"block_{i}"
+    names[(block, "ln_attn", "scale")] = [prefix + "input_layernorm.weight"]
+    names[(block, "qkv", "kernel")] = [
+        f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"]
+    if config.qkv_bias:
+      names[(block, "qkv", "bias")] = [
+          f"{prefix}self_attn.{p}_proj.bias" for p in "qkv"]
+    names[(block, "attn_out", "kernel")] = [prefix + "self_attn.o_proj.weight"]
+    names[(block, "ln_mlp", "scale")] = [prefix + "post_attention_layernorm.weight"]
+    names[(block, "mlp_in", "kernel")] = [prefix + "mlp.gate_proj.weight",
+                                        prefix + "mlp.up_proj.weight"]
+    names[(block, "mlp_out", "kernel")] = [prefix + "mlp.down_proj.weight"]
+  names[("ln_final", "scale")] = ["model.norm.weight"]
+  if not config.tie_embeddings:
+    names[("lm_head", "kernel")] = ["lm_head.weight"]
+  return names
+
+
+def _is_conv1d(config: TransformerConfig, name: str) -> bool:
+  """GPT-2 stores its projection kernels [in, out] (Conv1D)."""
+  return family(config) == "gpt2" and name.startswith("h.") and \
+      name.endswith(".weight") and ".ln_" not in name
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def params_from_hf(tensors: dict, config: TransformerConfig) -> dict:
+  """spec_jax params from HF tensors {name: array}; checks names and shapes."""
+  if family(config) == "gpt2":  # GPT2LMHeadModel saves under "transformer.".
+    tensors = {name.removeprefix("transformer."): x
+               for name, x in tensors.items()}
+  if config.tie_embeddings:  # Some checkpoints store the tied copy too.
+    tensors = {n: x for n, x in tensors.items() if n != "lm_head.weight"}
+  tensors = {n: x for n, x in tensors.items() if not _BUFFERS.match(n)}
+  names = _tensor_names(config)
+  wanted = {n for parts in names.values() for n in parts}
+  missing, unexpected = wanted - tensors.keys(), tensors.keys() - wanted
+  if missing or unexpected:
+    raise ValueError(
+        f"the checkpoint's tensors do not match its config.json: missing "
+        f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}.")
+  expected = jax.eval_shape(lambda: Model.init(config, jax.random.key(0)))
+  params = {}
+  for path, parts in names.items():
+    arrays = [tensors[n].T if _is_conv1d(config, n) else tensors[n]
+              for n in parts]
+    value = jnp.concatenate([jnp.asarray(a, config.dtype) for a in arrays])
+    shape = expected.params
+    for key in path:
+      shape = shape[key]
+    if value.shape != shape.shape:
+      raise ValueError(f"{parts} give shape {value.shape} for {path}, but "
+                       f"config.json implies {shape.shape}.")
+    _set(params, path, value)
+  return params
+
+
+def params_to_hf(params: dict, config: TransformerConfig) -> dict:
+  """HF tensors {name: array} of spec_jax params."""
+  tensors = {}
+  for path, parts in _tensor_names(config).items():
+    value = params
+    for key in path:
+      value = value[key]
+    if parts[0].endswith("q_proj.weight") or parts[0].endswith("q_proj.bias"):
+      rows = config.head_dim * np.array(
+          [config.num_heads, config.num_kv_heads, config.num_kv_heads])
+      pieces = jnp.split(value, np.cumsum(rows)[:-1])
+    else:
+      pieces = jnp.split(value, len(parts))
+    for name, piece in zip(parts, pieces):
+      tensors[name] = piece.T if _is_conv1d(config, name) else piece
+  return tensors
+
+
+def _local_folder(path) -> pathlib.Path:
+  """path itself if it is a folder, else a hub download of the repo it names."""
+  folder = pathlib.Path(path).expanduser()
+  if folder.is_dir():
+    return folder
+  if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) or folder.exists():
+    raise FileNotFoundError(f"no Hugging Face model folder at {path}.")
+  try:
+    import huggingface_hub  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise ValueError(
+        f"{path!r} is not a local folder, and huggingface_hub is not installed "
+        "to download it; pass a local folder holding config.json, "
+        "*.safetensors and tokenizer.json.") from None
+  try:
+    return pathlib.Path(huggingface_hub.snapshot_download(
+        str(path), allow_patterns=["*.json", "*.safetensors"]))
+  except Exception as error:  # Offline, unknown repo, gated repo...
+    raise ValueError(
+        f"could not download {path!r} from the Hugging Face hub ({error}); "
+        "offline, pass a local folder holding config.json, *.safetensors and "
+        "tokenizer.json.") from error
+
+
+def _read_tensors(folder: pathlib.Path) -> dict:
+  index = folder / "model.safetensors.index.json"
+  if index.exists():
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+  elif (folder / "model.safetensors").exists():
+    files = ["model.safetensors"]
+  else:
+    raise FileNotFoundError(
+        f"no model.safetensors or model.safetensors.index.json in {folder}; "
+        "re-save the model with save_pretrained(safe_serialization=True).")
+  tensors = {}
+  for name in files:
+    # The flax reader, unlike the numpy one, understands bfloat16.
+    tensors.update(safetensors.flax.load_file(str(folder / name)))
+  return tensors
+
+
+def load_eos_id(path) -> int | None:
+  """The checkpoint's end-of-sequence id (the first, if it lists several)."""
+  folder = _local_folder(path)
+  eos = None
+  for name in ("config.json", "generation_config.json"):  # The latter wins.
+    if (folder / name).exists():
+      eos = json.loads((folder / name).read_text()).get("eos_token_id", eos)
+  if isinstance(eos, list):
+    eos = eos[0] if eos else None
+  return eos
+
+
+def load_hf(path, dtype: str = "float32") -> ModelBundle:
+  """Reads a Hugging Face GPT-2, Llama or Qwen2 model.
+
+  Args:
+    path: a local folder with config.json, model.safetensors (or a sharded
+      model.safetensors.index.json) and tokenizer.json; or a hub name such as
+      "HuggingFaceTB/SmolLM2-135M" when huggingface_hub and the network are
+      there.
+    dtype: parameter and activation dtype; weights are cast to it.
+
+  Raises:
+    FileNotFoundError: a file is missing.
+    ValueError: the architecture or one of its features is not supported, or
+      the weights do not match the config.
+  """
+  folder = _local_folder(path)
+  if not (folder / "config.json").exists():
+    raise FileNotFoundError(f"no config.json in {folder}.")
+  if not (folder / "tokenizer.json").exists():
+    raise FileNotFoundError(
+        f"no tokenizer.json in {folder}; spec_jax reads tokenizers through "
+        "the `tokenizers` library. Save one with "
+        "AutoTokenizer.from_pretrained(...).save_pretrained(folder).")
+  hf = json.loads((folder / "config.json").read_text())
+  config = config_from_hf(hf, dtype)
+  params = params_from_hf(_read_tensors(folder), config)
+  tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+  return ModelBundle(Model(config, params), tokenizer, load_eos_id(folder))
+
+
+def save_hf(path, model: Model, tokenizer: tokenizers.Tokenizer,
+            eos_id: int | None = None) -> None:
+  """Writes model as a Hugging Face folder that transformers loads.
+
+  GPT-2-like configs are written as GPT2LMHeadModel, Llama-like ones as
+  LlamaForCausalLM or Qwen2ForCausalLM. The folder is written under a
+  temporary name and renamed when complete.
+
+  eos_id: by default the tokenizer's "<|endoftext|>", if it has one.
+  """
+  hf = config_to_hf(model.config)
+  if eos_id is None:
+    eos_id = tokenizer.token_to_id(data.EOS)
+  hf.update(bos_token_id=eos_id, eos_token_id=eos_id)
+  path = pathlib.Path(path).absolute()
+  staging = path.with_name(path.name + ".partial")
+  shutil.rmtree(staging, ignore_errors=True)
+  staging.mkdir(parents=True)
+  (staging / "config.json").write_text(json.dumps(hf, indent=2))
+  (staging / "generation_config.json").write_text(json.dumps(
+      {"bos_token_id": eos_id, "eos_token_id": eos_id}, indent=2))
+  eos_token = tokenizer.id_to_token(eos_id) if eos_id is not None else None
+  (staging / "tokenizer_config.json").write_text(json.dumps(
+      {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token,
+       "bos_token": eos_token}, indent=2))
+  tokenizer.save(str(staging / "tokenizer.json"))
+  safetensors.flax.save_file(params_to_hf(model.params, model.config),
+                              str(staging / "model.safetensors"),
+                              metadata={"format": "pt"})
+  if path.exists():
+    shutil.rmtree(path)
+  os.replace(staging, path)
