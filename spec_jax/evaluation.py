@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 from scipy import stats
 
-from spec_jax import checkpoint, data, records
+from spec_jax import checkpoint, data, records, sharding
 from spec_jax.decoding import (DecodeConfig, DecodeResult, generate,
                                generate_autoregressive, pad_prompts)
 from spec_jax.drafting import ModelDrafter
@@ -28,10 +28,17 @@ def resolve(path: str) -> pathlib.Path:
   return pathlib.Path(path)
 
 
-def load_pair(target_path: str, draft_path: str):
-  """(target, draft, tokenizer); the two must share a tokenizer."""
-  target, tokenizer = checkpoint.load_model(resolve(target_path))
-  draft, draft_tokenizer = checkpoint.load_model(resolve(draft_path))
+def load_pair(target_path: str, draft_path: str, mesh=None,
+              replicate_draft: bool = False):
+  """(target, draft, tokenizer); the two must share a tokenizer.
+
+  With a mesh, both are read straight into their shardings (sharding.py); the
+  draft is replicated on every device if replicate_draft.
+  """
+  target, tokenizer = checkpoint.load_model(resolve(target_path), mesh,
+                                            name="target")
+  draft, draft_tokenizer = checkpoint.load_model(
+      resolve(draft_path), mesh, replicate=replicate_draft, name="draft")
   if draft_tokenizer.to_str() != tokenizer.to_str():
     raise ValueError(
         f"the draft at {draft_path} and the target at {target_path} use "
@@ -68,7 +75,7 @@ def _decode_all(decode, prompt_ids, batch_size):
     begin = time.perf_counter()
     result = jax.block_until_ready(decode(prompts, lengths))
     seconds += time.perf_counter() - begin
-    results.append(result)
+    results.append(sharding.to_host(result))
   return results, seconds
 
 
@@ -82,11 +89,14 @@ def _rows(results: list[DecodeResult], count: int) -> list[list[int]]:
 
 
 def compare(config: ml_collections.ConfigDict, target, draft, tokenizer,
-            prompts: list[str]) -> list[dict]:
+            prompts: list[str], mesh=None) -> list[dict]:
   """AR and SD on the same prompts and settings, one RUN per temperature.
 
   Each decode is compiled and warmed up on the first batch before timing.
+  With a mesh (the one the pair was loaded on), batches are split over it.
   """
+  if mesh is not None:
+    sharding.check_batch(config.batch_size, mesh)
   prompt_ids = [tokenizer.encode(p).ids or [0] for p in prompts]
   eos_id = tokenizer.token_to_id(data.EOS)
   drafter = ModelDrafter(draft)
@@ -99,8 +109,9 @@ def compare(config: ml_collections.ConfigDict, target, draft, tokenizer,
         eos_id=eos_id)
     key = jax.random.key(config.seed + index)
     ar = lambda p, n: generate_autoregressive(key, target, p, n,
-                                              decode_config)
-    sd = lambda p, n: generate(key, target, drafter, p, n, decode_config)
+                                              decode_config, mesh)
+    sd = lambda p, n: generate(key, target, drafter, p, n, decode_config,
+                               mesh)
     for decode in (ar, sd):  # warm-up: compile outside the timing
       _decode_all(decode, prompt_ids[:config.batch_size], config.batch_size)
     ar_results, ar_seconds = _decode_all(ar, prompt_ids, config.batch_size)

@@ -48,16 +48,20 @@ class TransformerConfig:
   d_ff: int = 1024
   max_len: int = 1024  # Number of learned positions.
   dtype: str = "float32"  # Parameter and activation dtype.
+  # By default d_model // num_heads. Set when heads are padded for sharding
+  # (see sharding.py), which makes num_heads * head_dim > d_model.
+  head_dim: int | None = None
+  # Row order of the fused qkv kernel: (3, heads, head_dim) as trained, or
+  # (heads, 3, head_dim) so that a contiguous split of its rows over a mesh
+  # axis splits by head (sharding.py permutes the rows and sets this).
+  qkv_head_major: bool = False
 
   def __post_init__(self):
-    if self.d_model % self.num_heads:
-      raise ValueError(
-          f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}."
-      )
-
-  @property
-  def head_dim(self) -> int:
-    return self.d_model // self.num_heads
+    if self.head_dim is None:
+      if self.d_model % self.num_heads:
+        raise ValueError(f"d_model={self.d_model} is not divisible by "
+                         f"num_heads={self.num_heads}.")
+      object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
 
 
 @flax.struct.dataclass
@@ -95,10 +99,14 @@ def init_cache(
 
 
 def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-  """cache [B, H, S, D] <- new [B, H, T, D] at positions [B, T]."""
-  batch = jnp.arange(cache.shape[0])[:, None, None]
-  heads = jnp.arange(cache.shape[1])[None, :, None]
-  return cache.at[batch, heads, positions[:, None, :]].set(new, mode="drop")
+  """cache [B, H, S, D] <- new [B, H, T, D] at positions [B, T].
+
+  Written per (row, head) under vmap: the scatter then has batch and head as
+  batching dimensions, so on a mesh each device writes its own rows and heads
+  with no communication.
+  """
+  write = lambda c, n, p: c.at[p].set(n, mode="drop")  # [S, D] <- [T, D] at [T]
+  return jax.vmap(jax.vmap(write, (0, 0, None)))(cache, new, positions)
 
 
 class Linear(nn.Module):
@@ -133,8 +141,12 @@ class Block(nn.Module):
     layer_norm = lambda name: nn.LayerNorm(dtype=cfg.dtype,
                                            param_dtype=cfg.dtype, name=name)
     h = layer_norm("ln_attn")(x)
-    qkv = Linear(3 * cfg.d_model, cfg.dtype, name="qkv")(h)
-    qkv = qkv.reshape(batch, length, 3, cfg.num_heads, cfg.head_dim)
+    qkv = Linear(3 * cfg.num_heads * cfg.head_dim, cfg.dtype, name="qkv")(h)
+    if cfg.qkv_head_major:
+      qkv = jnp.swapaxes(
+          qkv.reshape(batch, length, cfg.num_heads, 3, cfg.head_dim), 2, 3)
+    else:
+      qkv = qkv.reshape(batch, length, 3, cfg.num_heads, cfg.head_dim)
     q, k, v = (jnp.swapaxes(qkv[:, :, i], 1, 2) for i in range(3))  # [B,H,T,Dh]
     keys = _write(keys, k, positions)
     values = _write(values, v, positions)
@@ -145,7 +157,7 @@ class Block(nn.Module):
     scores = jnp.where(visible[:, None], scores.astype(jnp.float32), _MASKED)
     weights = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
     attended = jnp.einsum("bhts,bhsd->bthd", weights, values)
-    attended = attended.reshape(batch, length, cfg.d_model)
+    attended = attended.reshape(batch, length, cfg.num_heads * cfg.head_dim)
     x = x + Linear(cfg.d_model, cfg.dtype, name="attn_out")(attended)
 
     h = layer_norm("ln_mlp")(x)
@@ -219,6 +231,10 @@ class Model:
 
   config: TransformerConfig = flax.struct.field(pytree_node=False)
   params: dict
+  # A KVCache whose leaves are the shardings its arrays must keep, set by
+  # sharding.py when the model lives on a mesh; None on one device.
+  cache_sharding: KVCache | None = flax.struct.field(pytree_node=False,
+                                                     default=None)
 
   @classmethod
   @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -235,9 +251,16 @@ class Model:
       self, tokens: jax.Array, cache: KVCache, positions: jax.Array | None = None
   ) -> tuple[jax.Array, KVCache]:
     """`Transformer.__call__` with these parameters."""
-    return Transformer(self.config).apply(
+    logits, cache = Transformer(self.config).apply(
         {"params": self.params}, tokens, cache, positions
     )
+    return logits, self._constrain(cache)
+
+  def _constrain(self, cache: KVCache) -> KVCache:
+    """Pins the cache to its shardings, so the decode loop never moves it."""
+    if self.cache_sharding is None:
+      return cache
+    return jax.lax.with_sharding_constraint(cache, self.cache_sharding)
 
   @property
   def vocab_size(self) -> int:
@@ -248,7 +271,7 @@ class Model:
     return sum(x.size for x in jax.tree.leaves(self.params))
 
   def init_cache(self, batch_size: int, max_len: int) -> KVCache:
-    return init_cache(self.config, batch_size, max_len)
+    return self._constrain(init_cache(self.config, batch_size, max_len))
 
   @functools.partial(jax.jit, static_argnames="max_len")
   def prefill(
