@@ -86,14 +86,14 @@ class MeshConfig:
 def make_mesh(config: MeshConfig, devices=None) -> Mesh:
   """A (data, model) mesh over `devices` (default: every process's devices).
 
-  Raises ValueError, before anything compiles, when the shape does not
+  Raises MeshError, before anything compiles, when the shape does not
   match the device count.
   """
   devices = jax.devices() if devices is None else list(devices)
   count = len(devices)
   data, model = config.data, config.model
-  if (data == -1) + (model == -1) > 1 or min(data, model) == 0 or min(
-      data, model) < -1:
+  if (data, model).count(-1) > 1 or any(
+      size < 1 and size != -1 for size in (data, model)):
     raise MeshError(
         f"mesh data={data}, model={model}: each must be a positive size, and "
         "at most one may be -1 (fill).")
@@ -157,8 +157,8 @@ def plan_config(config: TransformerConfig, mesh: Mesh, replicate: bool = False,
   """The config of `config`'s model laid out for this mesh's model axis.
 
   Pads heads (exact, see the module docstring) and orders qkv rows by head;
-  refuses MLP and vocabulary sizes the model axis does not divide. Raises
-  ValueError before anything compiles.
+  refuses MLP and vocabulary sizes the model axis does not divide (raises
+  MeshError) before anything compiles.
   """
   shards = mesh.shape[MODEL]
   if replicate or shards == 1:
@@ -231,21 +231,13 @@ def init_model(config: TransformerConfig, key: jax.Array, mesh: Mesh,
                   lambda k: Model.init(config, k).params, key)
 
 
-def shard_model(model: Model, mesh: Mesh, replicate: bool = False,
-                name: str = "model") -> Model:
-  """An in-memory model moved onto the mesh (e.g. one built in a test)."""
-  planned = plan_config(model.config, mesh, replicate, name)
-  return _sharded(model.config, planned, mesh, replicate, lambda p: p,
-                  model.params)
-
-
 def restore_model(path, config: TransformerConfig, mesh: Mesh,
                   replicate: bool = False, name: str = "model") -> Model:
   """Orbax restores the params at `path` straight into their shardings.
 
-  Orbax reads into the stored layout's shardings (a dimension the mesh does
-  not divide, e.g. 6 heads' rows over 4 devices, is read replicated), then
-  one jit pads and reorders into the planned shardings.
+  Orbax reads each array into the stored layout's shardings (a dimension
+  the mesh does not divide is read replicated), then one jit pads and
+  reorders into the planned layout's shardings.
   """
   planned = plan_config(config, mesh, replicate, name)
   stored = _abstract_params(config)

@@ -8,7 +8,7 @@ fixed when JAX starts and the rest of the suite runs on one device:
 
 Prints one JSON line: per mesh and temperature, whether the tokens equal the
 one-device tokens, the target's param bytes, the shardings of its params and
-the collectives of the compiled decode program.
+the largest array that a collective of the compiled decode program moves.
 """
 
 import argparse
@@ -24,8 +24,9 @@ from spec_jax import checkpoint, decoding, evaluation, sharding
 TEXTS = ["def main(argv):\n", "import os\nimport sys\n", "class Foo(object):",
          "    return self.", "for i in range(", "# Copyright 2001", "x = [",
          "if __name__ =="]
-# Collectives that move whole arrays rather than reduce partial sums; in the
-# decode program they may only carry tokens and per-row scalars.
+# Collectives that move arrays rather than reduce partial sums; in the decode
+# program they may only carry tokens and per-row values (such as each shard's
+# best logit for a greedy argmax), never parameters or caches.
 _MOVES = re.compile(
     r"= (\w+)\[([\d,]*)\]\S* (all-gather|all-to-all|collective-permute)\(")
 
@@ -35,6 +36,12 @@ def largest_move(hlo: str) -> int:
   sizes = [int(np.prod([int(d) for d in m.group(2).split(",") if d]))
            for m in _MOVES.finditer(hlo)]
   return max(sizes, default=0)
+
+
+def cache_size(config, prompts, decode_config) -> int:
+  """Elements of one layer's keys in the speculative loop."""
+  slots = prompts.shape[1] + decode_config.max_new_tokens + decode_config.gamma + 1
+  return prompts.shape[0] * config.num_heads * slots * config.head_dim
 
 
 def decode(target, draft, prompts, lengths, config, mesh):
@@ -83,6 +90,13 @@ def main():
     entry = {"param_bytes": total, "param_bytes_per_device": per_device,
              "unpadded_param_bytes": unpadded_bytes,
              "num_heads": target.config.num_heads,
+             # A gathered parameter or cache would be at least this large.
+             "smallest_sharded": min(
+                 [x.size for x in jax.tree.leaves((target.params, draft.params))
+                  if not x.sharding.is_fully_replicated]
+                 + [cache_size(m.config, prompts, config)
+                    for m in (target, draft)
+                    for config in configs.values()]),
              "specs": dict(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(
                  x, tuple))),
              "runs": {}}
