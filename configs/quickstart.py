@@ -55,6 +55,16 @@ def get_config(arg=None):
   # re-emitted with an edit: the input prompt lookup is made for.
   config.repeat_prompts = False
   config.seed = 0
+  # Device mesh: data x model must equal the device count; -1 fills one axis.
+  # Batch rows are split over data, heads / MLP / vocab over model (see
+  # spec_jax/sharding.py). The default is every device on data, so one device
+  # runs as before.
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.data = -1
+  config.mesh.model = 1
+  # A full copy of the draft on every device instead of splitting it over
+  # model: a small draft may be faster without the all-reduces.
+  config.mesh.replicate_draft = False
   if arg == "runlocal":
     config.num_prompts = 2
     config.max_new_tokens = 8

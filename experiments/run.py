@@ -1,6 +1,11 @@
 """The main job: AR and SD on held-out prompts; prints a table, writes JSON.
 
   python -m experiments.run --config=configs/quickstart.py --workdir=DIR
+
+On many processes (hosts), run the same command on each, adding
+--coordinator_address=HOST0:PORT --num_processes=N --process_id=I (or
+--distributed alone where JAX detects them: TPU pod slices, Slurm). The mesh
+spans every process's devices; only process 0 writes files.
 """
 
 import os
@@ -8,12 +13,22 @@ import os
 from absl import app
 from absl import flags
 from absl import logging
+import jax
 from ml_collections import config_flags
 
-from spec_jax import evaluation, records
+from spec_jax import evaluation, records, sharding
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where to write results.json.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "HOST:PORT of process 0, for many processes.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
+                                      "Number of processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None,
+                                   "This process's index, 0..num_processes-1.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Initialize jax.distributed even without the flags "
+    "above, which JAX then detects (TPU pod slices, Slurm, Open MPI).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -21,12 +36,28 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
-  records.check_writable(_WORKDIR.value)
-  target, drafter, tokenizer = evaluation.load_models(config)
+  if _DISTRIBUTED.value or any(flag.value is not None for flag in (
+      _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID)):
+    # CPU processes need collectives that cross process boundaries.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value,
+                               _PROCESS_ID.value)
+  lead = jax.process_index() == 0
+  if lead:
+    records.check_writable(_WORKDIR.value)
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=config.mesh.data,
+                                                model=config.mesh.model))
+  sharding.check_batch(config.batch_size, mesh)
+  target, drafter, tokenizer = evaluation.load_models(config, mesh)
   prompts = evaluation.load_prompts(config, tokenizer)
-  print(f"{evaluation.describe(target, drafter)}, {len(prompts)} prompts",
-        flush=True)
-  runs = evaluation.compare(config, target, drafter, tokenizer, prompts)
+  param_bytes, param_bytes_per_device = sharding.param_bytes(target.params)
+  if lead:
+    print(f"{evaluation.describe(target, drafter)}, {len(prompts)} prompts, "
+          f"mesh data={mesh.shape['data']} x model={mesh.shape['model']} over "
+          f"{jax.process_count()} process(es)", flush=True)
+  runs = evaluation.compare(config, target, drafter, tokenizer, prompts, mesh)
+  if not lead:
+    return
   print(evaluation.format_table(runs))
   for run in runs:
     for sample in run["samples"][:2]:
@@ -34,8 +65,15 @@ def main(argv):
             f"\n--- SD continuation ---\n"
             f"{tokenizer.decode(sample['sd_tokens'])}")
   path = os.path.join(_WORKDIR.value, "results.json")
-  records.write_json(path, {"code_version": records.code_version(),
-                            "config": config.to_dict(), "runs": runs})
+  records.write_json(path, {
+      "code_version": records.code_version(),
+      "config": config.to_dict(),
+      "mesh": {"data": mesh.shape["data"], "model": mesh.shape["model"]},
+      "num_processes": jax.process_count(),
+      "target_param_bytes": param_bytes,
+      "target_param_bytes_per_device": param_bytes_per_device,
+      "runs": runs,
+  })
   print(f"\nwrote {path}")
 
 

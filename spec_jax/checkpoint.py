@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import tokenizers
 
+from spec_jax import sharding
 from spec_jax.model import Model, TransformerConfig
 
 
@@ -53,8 +54,14 @@ def load_tokenizer(path) -> tokenizers.Tokenizer:
   return tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
 
 
-def load_model(path) -> tuple[Model, tokenizers.Tokenizer]:
+def load_model(path, mesh: jax.sharding.Mesh | None = None,
+               replicate: bool = False,
+               name: str = "model") -> tuple[Model, tokenizers.Tokenizer]:
   """Reads a model directory written by `save_model`.
+
+  With a mesh, the params are read straight into their shardings (see
+  sharding.py), replicated over the mesh if `replicate`; `name` says which
+  model an error is about.
 
   Raises:
     FileNotFoundError: the directory or one of its parts is missing.
@@ -69,6 +76,9 @@ def load_model(path) -> tuple[Model, tokenizers.Tokenizer]:
   try:
     config = TransformerConfig(**json.loads((path / "config.json").read_text()))
     tokenizer = load_tokenizer(path)
+    if mesh is not None:
+      return sharding.restore_model(path / "params", config, mesh, replicate,
+                                    name), tokenizer
     with ocp.StandardCheckpointer() as checkpointer:
       params = checkpointer.restore(path / "params")
     expected = jax.eval_shape(lambda: Model.init(config, jax.random.key(0)))
@@ -76,6 +86,8 @@ def load_model(path) -> tuple[Model, tokenizers.Tokenizer]:
     if shapes(params) != shapes(expected.params):
       raise ValueError("the stored parameters do not match config.json")
   except FileNotFoundError:
+    raise
+  except sharding.MeshError:
     raise
   except Exception as error:  # orbax, json and tokenizers raise many types.
     raise ValueError(

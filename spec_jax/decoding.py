@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import rejection
+from spec_jax import rejection, sharding
 from spec_jax.drafting import Drafter
 from spec_jax.model import KVCache, Model
 from spec_jax.sampling import Sampling
@@ -359,6 +359,18 @@ def check_inputs(
           "lower max_new_tokens.")
 
 
+def _place(key, prompts, prompt_lengths, mesh):
+  """Device arrays: on one device, or split by rows over the mesh's data axis
+  with the key replicated, so the sampled tokens do not depend on the mesh."""
+  if mesh is None:
+    return key, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lengths,
+                                                             jnp.int32)
+  sharding.check_batch(len(prompts), mesh)
+  return (sharding.put_key(key, mesh),
+          sharding.put_batch(np.asarray(prompts, np.int32), mesh),
+          sharding.put_batch(np.asarray(prompt_lengths, np.int32), mesh))
+
+
 def generate(
     key: jax.Array,
     target: Model,
@@ -366,6 +378,7 @@ def generate(
     prompts,
     prompt_lengths,
     config: DecodeConfig,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> DecodeResult:
   """Speculative decoding whose output law is exactly the target's.
 
@@ -377,27 +390,29 @@ def generate(
     prompts: [B, P] int32 right-padded prompts (see `pad_prompts`).
     prompt_lengths: [B] int32 true prompt lengths, >= 1.
     config: gamma, max_new_tokens, sampling and EOS.
+    mesh: the mesh the models were sharded over (see sharding.py), if any;
+      the batch is split over its data axis.
 
   Returns:
     The emitted tokens [B, max_new_tokens], their counts [B] and the
     statistics of the run, from a single compiled program.
   """
   check_inputs(target, prompts, prompt_lengths, config, drafter)
-  return generate_jit(key, target, drafter, jnp.asarray(prompts, jnp.int32),
-                      jnp.asarray(prompt_lengths, jnp.int32), config)
+  key, prompts, prompt_lengths = _place(key, prompts, prompt_lengths, mesh)
+  return generate_jit(key, target, drafter, prompts, prompt_lengths, config)
 
 
 def generate_autoregressive(
-    key: jax.Array, target: Model, prompts, prompt_lengths, config: DecodeConfig
+    key: jax.Array, target: Model, prompts, prompt_lengths, config: DecodeConfig,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> DecodeResult:
   """The baseline: one target step per token, in its own while_loop."""
   check_inputs(target, prompts, prompt_lengths, config)
   # gamma plays no part here; fixing it lets a sweep over gamma compile the
   # baseline once.
-  return generate_autoregressive_jit(
-      key, target, jnp.asarray(prompts, jnp.int32),
-      jnp.asarray(prompt_lengths, jnp.int32),
-      dataclasses.replace(config, gamma=1))
+  key, prompts, prompt_lengths = _place(key, prompts, prompt_lengths, mesh)
+  return generate_autoregressive_jit(key, target, prompts, prompt_lengths,
+                                     dataclasses.replace(config, gamma=1))
 
 
 def pad_prompts(prompts, multiple: int = 16,

@@ -2,6 +2,7 @@
 and test that their outputs follow one law. `experiments/` and the notebooks
 call these functions."""
 
+import dataclasses
 import os
 import pathlib
 import time
@@ -11,7 +12,7 @@ import ml_collections
 import numpy as np
 from scipy import stats
 
-from spec_jax import checkpoint, data, hf, records
+from spec_jax import checkpoint, data, hf, records, sharding
 from spec_jax.decoding import (DecodeConfig, DecodeResult, generate,
                                generate_autoregressive, pad_prompts)
 from spec_jax.drafting import LayerSkipDrafter, ModelDrafter, NgramDrafter
@@ -28,18 +29,32 @@ def resolve(path: str) -> pathlib.Path:
   return pathlib.Path(path)
 
 
-def load(path: str) -> hf.ModelBundle:
+def load(path: str, mesh=None, replicate: bool = False,
+         name: str = "model") -> hf.ModelBundle:
   """'hf:DIR' is a Hugging Face folder (or hub name), anything else a model
-  directory (see `resolve`)."""
+  directory (see `resolve`). With a mesh, the params end in their shardings
+  (sharding.py), replicated if `replicate`; `name` says which model an error
+  is about."""
   if path.startswith("hf:"):
-    return hf.load_hf(path.removeprefix("hf:"))
-  model, tokenizer = checkpoint.load_model(resolve(path))
+    bundle = hf.load_hf(path.removeprefix("hf:"))
+    if mesh is None:
+      return bundle
+    return dataclasses.replace(bundle, model=sharding.shard_model(
+        bundle.model, mesh, replicate, name))
+  model, tokenizer = checkpoint.load_model(resolve(path), mesh, replicate,
+                                           name)
   return hf.ModelBundle(model, tokenizer, tokenizer.token_to_id(data.EOS))
 
 
-def load_pair(target_path: str, draft_path: str):
-  """(target, draft, tokenizer); the two must share a vocabulary."""
-  target, draft = load(target_path), load(draft_path)
+def load_pair(target_path: str, draft_path: str, mesh=None,
+              replicate_draft: bool = False):
+  """(target, draft, tokenizer); the two must share a vocabulary.
+
+  With a mesh, both are read into their shardings (sharding.py); the draft is
+  replicated on every device if replicate_draft.
+  """
+  target = load(target_path, mesh, name="target")
+  draft = load(draft_path, mesh, replicate_draft, name="draft")
   if (draft.tokenizer.get_vocab(with_added_tokens=True)
       != target.tokenizer.get_vocab(with_added_tokens=True)):
     raise ValueError(
@@ -85,17 +100,20 @@ def make_drafter(config: ml_collections.ConfigDict, target, draft=None):
   raise ValueError(f"drafter={config.drafter!r}: choose one of {DRAFTERS}.")
 
 
-def load_models(config: ml_collections.ConfigDict):
+def load_models(config: ml_collections.ConfigDict, mesh=None):
   """(target, drafter, tokenizer) as the config describes them.
 
   The draft model is loaded only for drafter=model; the others need none.
+  With a mesh, params are loaded into their shardings.
   """
   if config.drafter not in DRAFTERS:
     raise ValueError(f"drafter={config.drafter!r}: choose one of {DRAFTERS}.")
   if config.drafter == "model":
-    target, draft, tokenizer = load_pair(config.target, config.draft)
+    target, draft, tokenizer = load_pair(
+        config.target, config.draft, mesh,
+        config.get("mesh", {}).get("replicate_draft", False))
   else:
-    bundle, draft = load(config.target), None
+    bundle, draft = load(config.target, mesh, name="target"), None
     target, tokenizer = bundle.model, bundle.tokenizer
   return target, make_drafter(config, target, draft), tokenizer
 
@@ -144,7 +162,7 @@ def _decode_all(decode, prompt_ids, batch_size, width):
     begin = time.perf_counter()
     result = jax.block_until_ready(decode(prompts, lengths))
     seconds += time.perf_counter() - begin
-    results.append(result)
+    results.append(sharding.to_host(result))
   return results, seconds
 
 
@@ -158,11 +176,14 @@ def _rows(results: list[DecodeResult], count: int) -> list[list[int]]:
 
 
 def compare(config: ml_collections.ConfigDict, target, drafter, tokenizer,
-            prompts: list[str]) -> list[dict]:
+            prompts: list[str], mesh=None) -> list[dict]:
   """AR and SD on the same prompts and settings, one RUN per temperature.
 
   Each decode is compiled and warmed up on the first batch before timing.
+  With a mesh (the one the pair was loaded on), batches are split over it.
   """
+  if mesh is not None:
+    sharding.check_batch(config.batch_size, mesh)
   prompt_ids = [tokenizer.encode(p).ids or [0] for p in prompts]
   end_id = eos_id(config.target, tokenizer)
   width = pad_prompts(prompt_ids)[0].shape[1]
@@ -175,8 +196,9 @@ def compare(config: ml_collections.ConfigDict, target, drafter, tokenizer,
         eos_id=end_id)
     key = jax.random.key(config.seed + index)
     ar = lambda p, n: generate_autoregressive(key, target, p, n,
-                                              decode_config)
-    sd = lambda p, n: generate(key, target, drafter, p, n, decode_config)
+                                              decode_config, mesh)
+    sd = lambda p, n: generate(key, target, drafter, p, n, decode_config,
+                               mesh)
     for decode in (ar, sd):  # warm-up: compile outside the timing
       _decode_all(decode, prompt_ids[:config.batch_size], config.batch_size,
                   width)

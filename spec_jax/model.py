@@ -85,6 +85,15 @@ class TransformerConfig:
   qkv_bias: bool = True  # Biases on the query, key and value projections.
   bias: bool = True  # Biases on the attention output and MLP projections.
   tie_embeddings: bool = True  # Output projection = input embedding.
+  # By default d_model // num_heads. Set when heads are padded for sharding
+  # (see sharding.py), which makes num_heads * head_dim > d_model.
+  head_dim: int | None = None
+  # Row order of the fused qkv kernel: q of every head, then k, then v, as
+  # trained; or head-major, (kv_heads, group + 2, head_dim): each key/value
+  # head's group of queries, its key and its value together, so that a
+  # contiguous split of the rows over a mesh axis splits by head (sharding.py
+  # permutes the rows and sets this).
+  qkv_head_major: bool = False
 
   def __post_init__(self):
     # Normalised here so that equal models have equal (hashable) configs and
@@ -99,10 +108,11 @@ class TransformerConfig:
       if getattr(self, name) not in allowed:
         raise ValueError(f"{name}={getattr(self, name)!r}; expected one of "
                          f"{allowed}.")
-    if self.d_model % self.num_heads:
-      raise ValueError(
-          f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}."
-      )
+    if self.head_dim is None:
+      if self.d_model % self.num_heads:
+        raise ValueError(f"d_model={self.d_model} is not divisible by "
+                         f"num_heads={self.num_heads}.")
+      object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
@@ -112,10 +122,6 @@ class TransformerConfig:
                        f"{self.head_dim}.")
     if self.rope_scaling is not None and self.position != "rope":
       raise ValueError("rope_scaling is set but position is not 'rope'.")
-
-  @property
-  def head_dim(self) -> int:
-    return self.d_model // self.num_heads
 
 
 @flax.struct.dataclass
@@ -153,10 +159,14 @@ def init_cache(
 
 
 def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-  """cache [B, H, S, D] <- new [B, H, T, D] at positions [B, T]."""
-  batch = jnp.arange(cache.shape[0])[:, None, None]
-  heads = jnp.arange(cache.shape[1])[None, :, None]
-  return cache.at[batch, heads, positions[:, None, :]].set(new, mode="drop")
+  """cache [B, H, S, D] <- new [B, H, T, D] at positions [B, T].
+
+  Written per (row, head) under vmap: the scatter then has batch and head as
+  batching dimensions, so on a mesh each device writes its own rows and heads
+  with no communication.
+  """
+  write = lambda c, n, p: c.at[p].set(n, mode="drop")  # [S, D] <- [T, D] at [T]
+  return jax.vmap(jax.vmap(write, (0, 0, None)))(cache, new, positions)
 
 
 class Linear(nn.Module):
@@ -234,15 +244,19 @@ class Block(nn.Module):
     heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     group = heads // kv_heads  # Query heads per key/value head.
     h = _norm(cfg, "ln_attn")(x)
-    # One projection for q, k and v, in this order: one matmul per step.
+    # One projection for q, k and v: one matmul per step.
     qkv = Linear((heads + 2 * kv_heads) * head_dim, cfg.dtype, cfg.qkv_bias,
                  name="qkv")(h)
-    q, k, v = jnp.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim],
-                        axis=-1)
     # Query head h reads key/value head h // group, as HF's repeat_kv does.
-    q = q.reshape(batch, length, kv_heads, group, head_dim)
-    k = k.reshape(batch, length, kv_heads, head_dim)
-    v = v.reshape(batch, length, kv_heads, head_dim)
+    if cfg.qkv_head_major:
+      qkv = qkv.reshape(batch, length, kv_heads, group + 2, head_dim)
+      q, k, v = qkv[..., :group, :], qkv[..., group, :], qkv[..., group + 1, :]
+    else:
+      q, k, v = jnp.split(
+          qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
+      q = q.reshape(batch, length, kv_heads, group, head_dim)
+      k = k.reshape(batch, length, kv_heads, head_dim)
+      v = v.reshape(batch, length, kv_heads, head_dim)
     if cfg.position == "rope":
       inv_freq = rope_frequencies(cfg)
       q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions,
@@ -346,6 +360,10 @@ class Model:
 
   config: TransformerConfig = flax.struct.field(pytree_node=False)
   params: dict
+  # A KVCache whose leaves are the shardings its arrays must keep, set by
+  # sharding.py when the model lives on a mesh; None on one device.
+  cache_sharding: KVCache | None = flax.struct.field(pytree_node=False,
+                                                     default=None)
 
   @classmethod
   @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -363,9 +381,16 @@ class Model:
       positions: jax.Array | None = None, num_layers: int | None = None,
   ) -> tuple[jax.Array, KVCache]:
     """`Transformer.__call__` with these parameters."""
-    return Transformer(self.config).apply(
+    logits, cache = Transformer(self.config).apply(
         {"params": self.params}, tokens, cache, positions, num_layers
     )
+    return logits, self._constrain(cache)
+
+  def _constrain(self, cache: KVCache) -> KVCache:
+    """Pins the cache to its shardings, so the decode loop never moves it."""
+    if self.cache_sharding is None:
+      return cache
+    return jax.lax.with_sharding_constraint(cache, self.cache_sharding)
 
   @property
   def vocab_size(self) -> int:
@@ -376,7 +401,7 @@ class Model:
     return sum(x.size for x in jax.tree.leaves(self.params))
 
   def init_cache(self, batch_size: int, max_len: int) -> KVCache:
-    return init_cache(self.config, batch_size, max_len)
+    return self._constrain(init_cache(self.config, batch_size, max_len))
 
   @functools.partial(jax.jit, static_argnames="max_len")
   def prefill(

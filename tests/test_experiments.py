@@ -118,6 +118,9 @@ def test_main_job_smoke_run_and_flag_overrides(tiny_models, tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   results = json.loads((tmp_path / "results.json").read_text())
   assert results["config"]["gamma"] == 3  # the flag overrode the config
+  assert results["mesh"] == {"data": 1, "model": 1}  # one device
+  assert (results["target_param_bytes_per_device"]
+          == results["target_param_bytes"] > 0)
   assert [run["temperature"] for run in results["runs"]] == [0.0, 1.0]
   greedy = results["runs"][0]
   assert greedy["gamma"] == 3 and greedy["sd"]["cycles"] > 0
