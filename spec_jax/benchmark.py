@@ -4,14 +4,13 @@ Each component (a draft step, a target step, a verify with its rejection step)
 runs n times inside one jitted `fori_loop`, as it does inside the decode loop:
 no dispatch per call, caches updated in place. Its time is the slope
 (t(n_long) - t(n_short)) / (n_long - n_short), which removes launch and
-transfer costs; each t is a median over repeats after a warm-up call that
-compiles. The cache pointer is put back after every iteration so all n calls
+transfer costs; each t is the fastest of several runs after a warm-up call
+that compiles. The cache pointer is put back after every iteration so all n calls
 attend over the same cache; attention reads every slot regardless of the
 pointer, so this costs what a mid-sequence call costs.
 """
 
 import functools
-import statistics
 import time
 
 import jax
@@ -74,31 +73,35 @@ def _verify_steps(target: Model, cache, tokens, lengths, draft_tokens,
   return jax.lax.fori_loop(0, num_steps, step, (draft_tokens, cache))
 
 
-def _median_seconds(fn, num_steps: int, repeats: int) -> float:
+def _fastest_seconds(fn, num_steps: int, repeats: int) -> float:
+  """The fastest of `repeats` runs: the one least disturbed by the machine."""
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     jax.block_until_ready(fn(num_steps))
     times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return min(times)
 
 
 def seconds_per_step(fn, short: int = 4, long: int = 24,
                      repeats: int = 3) -> float:
   """Slope of the time of fn(num_steps) between num_steps = short and long."""
   jax.block_until_ready(fn(short))  # compiles; num_steps is traced
-  return ((_median_seconds(fn, long, repeats)
-           - _median_seconds(fn, short, repeats)) / (long - short))
+  return ((_fastest_seconds(fn, long, repeats)
+           - _fastest_seconds(fn, short, repeats)) / (long - short))
 
 
 def component_seconds(target: Model, drafter, batch_size: int,
-                      max_len: int, config: DecodeConfig) -> dict:
-  """Seconds per draft step, per target step and per verify (+ resample).
+                      prompt_width: int, max_len: int,
+                      config: DecodeConfig) -> dict:
+  """Seconds per draft step, per target step and per verify (+ resample), and
+  of the target's and the drafter's prefill of a prompt batch.
 
   Args:
     target: the target model.
     drafter: any drafter; a draft step is one propose call over gamma.
     batch_size: rows decoded together.
+    prompt_width: padded prompt width.
     max_len: cache length, as in the decode loop (prompt width +
       max_new_tokens + gamma + 1).
     config: gamma and sampling as in the decode loop.
@@ -124,8 +127,20 @@ def component_seconds(target: Model, drafter, batch_size: int,
       target, target_cache, tokens, lengths, draft_tokens, draft_probs, key, n,
       sampling)
   propose_s = seconds_per_step(propose_steps)
+  prompts = tokens[:, :prompt_width]
+  prompt_lengths = jnp.full((batch_size,), prompt_width, jnp.int32)
   return {
       "draft_step_s": propose_s / gamma,
       "target_step_s": seconds_per_step(target_steps),
       "verify_s": seconds_per_step(verify_steps),
+      "target_prefill_s": fastest_call_seconds(
+          lambda: target.prefill(prompts, prompt_lengths, max_len)),
+      "draft_prefill_s": fastest_call_seconds(
+          lambda: drafter.prefill(prompts, prompt_lengths, max_len)),
   }
+
+
+def fastest_call_seconds(fn, repeats: int = 3) -> float:
+  """The fastest of `repeats` calls of fn(), after one that compiles."""
+  jax.block_until_ready(fn())
+  return _fastest_seconds(lambda _: fn(), 0, repeats)

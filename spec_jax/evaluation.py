@@ -148,22 +148,33 @@ def parse_temperatures(text) -> list[float]:
   return [float(t) for t in str(text).split(",") if t.strip()]
 
 
-def _decode_all(decode, prompt_ids, batch_size, width):
-  """Runs decode over prompts in batches; returns (results, seconds).
+def _decode_all(decoders: dict, prompt_ids, batch_size: int, width: int,
+                repeats: int = 1) -> dict:
+  """Runs each decoder over the prompts in batches, side by side.
 
-  Every batch is padded to one width, so one compiled program serves all and
-  no compilation falls inside the timing.
+  For each batch the decoders take turns, `repeats` times, and each keeps its
+  fastest time of the batch: the run least disturbed by the rest of the
+  machine. Every batch is padded to one width, so one compiled program serves
+  all and no compilation falls inside the timing.
+
+  Returns {name: (results, seconds)}.
   """
-  results, seconds = [], 0.0
+  results = {name: [] for name in decoders}
+  seconds = dict.fromkeys(decoders, 0.0)
   for start in range(0, len(prompt_ids), batch_size):
     batch = prompt_ids[start:start + batch_size]
     batch = batch + [batch[-1]] * (batch_size - len(batch))  # fixed shape
     prompts, lengths = pad_prompts(batch, min_width=width)
-    begin = time.perf_counter()
-    result = jax.block_until_ready(decode(prompts, lengths))
-    seconds += time.perf_counter() - begin
-    results.append(sharding.to_host(result))
-  return results, seconds
+    fastest, last = dict.fromkeys(decoders, float("inf")), {}
+    for _ in range(repeats):
+      for name, decode in decoders.items():
+        begin = time.perf_counter()
+        last[name] = jax.block_until_ready(decode(prompts, lengths))
+        fastest[name] = min(fastest[name], time.perf_counter() - begin)
+    for name in decoders:
+      seconds[name] += fastest[name]
+      results[name].append(sharding.to_host(last[name]))
+  return {name: (results[name], seconds[name]) for name in decoders}
 
 
 def _rows(results: list[DecodeResult], count: int) -> list[list[int]]:
@@ -199,19 +210,23 @@ def compare(config: ml_collections.ConfigDict, target, drafter, tokenizer,
                                               decode_config, mesh)
     sd = lambda p, n: generate(key, target, drafter, p, n, decode_config,
                                mesh)
-    for decode in (ar, sd):  # warm-up: compile outside the timing
-      _decode_all(decode, prompt_ids[:config.batch_size], config.batch_size,
-                  width)
-    ar_results, ar_seconds = _decode_all(ar, prompt_ids, config.batch_size,
-                                         width)
-    sd_results, sd_seconds = _decode_all(sd, prompt_ids, config.batch_size,
-                                         width)
+    decoders = {"ar": ar, "sd": sd}
+    # Warm-up: compile outside the timing.
+    _decode_all(decoders, prompt_ids[:config.batch_size], config.batch_size,
+                width)
+    timed = _decode_all(decoders, prompt_ids, config.batch_size, width,
+                        config.get("timing_repeats", 1))
+    (ar_results, ar_seconds), (sd_results, sd_seconds) = timed["ar"], timed["sd"]
     ar_rows = _rows(ar_results, len(prompts))
     sd_rows = _rows(sd_results, len(prompts))
     ar_tokens, sd_tokens = sum(map(len, ar_rows)), sum(map(len, sd_rows))
     # Statistics of every batch, summed: counters add across runs.
     totals = [r.stats.summary() for r in sd_results]
     cycles = sum(t["row_cycles"] for t in totals)
+    # Loop iterations: rows of a batch run in lockstep until the last ends.
+    loop_cycles = sum(t["cycles"] for t in totals)
+    ar_steps = sum(max(map(len, ar_rows[i:i + config.batch_size]))
+                   for i in range(0, len(ar_rows), config.batch_size))
     accepted = sum(t["accepted"] for t in totals)
     drafted = sum(t["drafted"] for t in totals)
     per_position = np.sum([t["accepted_per_position"] for t in totals], 0)
@@ -221,11 +236,13 @@ def compare(config: ml_collections.ConfigDict, target, drafter, tokenizer,
         "temperature": temperature,
         "gamma": config.gamma,
         "batch_size": config.batch_size,
+        "num_batches": len(sd_results),
         "ar": {"tokens_per_s": ar_tokens / ar_seconds,
-               "new_tokens": ar_tokens, "wall_s": ar_seconds},
+               "new_tokens": ar_tokens, "wall_s": ar_seconds,
+               "steps": ar_steps},
         "sd": {"tokens_per_s": sd_tokens / sd_seconds,
                "new_tokens": sd_tokens, "wall_s": sd_seconds,
-               "cycles": cycles,
+               "cycles": cycles, "loop_cycles": loop_cycles,
                "acceptance_rate": accepted / max(drafted, 1),
                "tokens_per_cycle": (accepted + cycles) / max(cycles, 1),
                "mean_overlap": overlap_sum / max(verified, 1),

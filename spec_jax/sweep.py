@@ -6,9 +6,10 @@ loops (`benchmark.component_seconds`), and sets the measurements beside what
 they predict:
 
   * tau measured vs tau from the i.i.d. formula at the measured alpha;
-  * speedup measured vs speedup predicted from the tokens each cycle emitted
-    and the component times. These two agree when the loop costs nothing
-    beyond its parts, so their ratio is the loop's efficiency.
+  * speedup measured vs speedup predicted by pricing the work the runs did
+    (AR steps, SD cycles, prefills) at the component times. These two agree
+    when the loops cost nothing beyond their parts, so their ratio is the
+    loops' efficiency.
 """
 
 import time
@@ -41,13 +42,17 @@ def _row(run: dict, parts: dict) -> dict:
   gamma, sd = run["gamma"], run["sd"]
   alpha = sd["mean_overlap"]
   # What the cycles really emitted, after EOS and max_new_tokens cut the last
-  # one short: the numerator that matches the measured wall time.
+  # one short.
   emitted_per_cycle = sd["new_tokens"] / max(sd["cycles"], 1)
   c = parts["draft_step_s"] / parts["target_step_s"]
   verify_cost = parts["verify_s"] / parts["target_step_s"]
+  # The same work the measured runs did, priced at the component times.
   predicted = float(theory.predicted_speedup(
-      emitted_per_cycle, gamma, parts["draft_step_s"], parts["verify_s"],
-      parts["target_step_s"]))
+      gamma, parts["draft_step_s"], parts["verify_s"], parts["target_step_s"],
+      ar_steps=run["ar"]["steps"], sd_cycles=sd["loop_cycles"],
+      num_prefills=run["num_batches"],
+      target_prefill_s=parts["target_prefill_s"],
+      draft_prefill_s=parts["draft_prefill_s"]))
   per_position = np.asarray(sd["accepted_per_position"]) / max(sd["cycles"], 1)
   return {
       "gamma": gamma,
@@ -112,7 +117,7 @@ def gamma_sweep(config: ml_collections.ConfigDict, target, drafter, tokenizer,
           sampling=Sampling(temperature=temperature, top_k=config.top_k,
                             top_p=config.top_p))
       parts = benchmark.component_seconds(
-          target, drafter, config.batch_size,
+          target, drafter, config.batch_size, width,
           width + config.max_new_tokens + gamma + 1, decode_config)
       row = _row(run, parts)
       rows.append(row)

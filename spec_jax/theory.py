@@ -55,14 +55,17 @@ def optimal_gamma(alpha: float, c: float, max_gamma: int,
   return int(gammas[np.argmax(speedups)])
 
 
-def predicted_speedup(tokens_per_cycle, gamma, draft_step_s, verify_s,
-                      target_step_s):
-  """Speedup predicted from measurements rather than from alpha.
+def predicted_speedup(gamma, draft_step_s, verify_s, target_step_s, *,
+                      ar_steps, sd_cycles, num_prefills=0,
+                      target_prefill_s=0.0, draft_prefill_s=0.0):
+  """Speedup predicted from measured component times and step counts.
 
-  A cycle costs gamma draft steps and one verify (with its rejection step) and
-  yields tokens_per_cycle tokens; autoregressive decoding pays one target step
-  per token. Comparing this with the measured speedup shows what the loop
-  costs beyond its parts.
+  AR runs ar_steps target steps; SD runs sd_cycles cycles of gamma draft steps
+  and one verify (with its rejection step). Both prefill their prompts
+  num_prefills times, SD with the draft too. Comparing this with the measured
+  speedup shows what the loops cost beyond their parts.
   """
-  cycle_s = np.asarray(gamma) * draft_step_s + verify_s
-  return np.asarray(tokens_per_cycle) * target_step_s / cycle_s
+  ar_s = ar_steps * target_step_s + num_prefills * target_prefill_s
+  sd_s = (sd_cycles * (np.asarray(gamma) * draft_step_s + verify_s)
+          + num_prefills * (target_prefill_s + draft_prefill_s))
+  return ar_s / sd_s

@@ -49,8 +49,10 @@ def test_optimal_gamma_grows_with_alpha_and_shrinks_with_cost():
     theory.optimal_gamma(0.8, 0.1, 0)
 
 
-def test_predicted_speedup_is_time_per_token_ratio():
-  # 4 tokens per cycle of 3 draft steps (1 ms) + a verify (12 ms), against
-  # 10 ms per AR token: 15 ms / 4 tokens vs 10 ms / token.
-  assert theory.predicted_speedup(4.0, 3, 1e-3, 12e-3, 10e-3) == pytest.approx(
-      10 / (15 / 4))
+def test_predicted_speedup_is_the_ratio_of_predicted_times():
+  # AR: 100 steps of 10 ms + 2 prefills of 30 ms = 1.06 s. SD: 25 cycles of
+  # 3 draft steps (1 ms) + a verify (12 ms), + 2 x (30 + 5) ms = 0.445 s.
+  assert theory.predicted_speedup(
+      3, 1e-3, 12e-3, 10e-3, ar_steps=100, sd_cycles=25, num_prefills=2,
+      target_prefill_s=30e-3, draft_prefill_s=5e-3) == pytest.approx(
+          1.06 / 0.445)
