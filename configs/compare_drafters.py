@@ -20,7 +20,7 @@ def get_config(arg=None):
   variants = {
       "draft model, gamma 8": dict(drafter="model", gamma=8),
       "draft model, dynamic gamma": dict(drafter="model", gamma=12,
-                                         confidence_threshold=0.4),
+                                         confidence_threshold=0.1),
       "prompt lookup": dict(drafter="ngram", gamma=4),
       "prompt lookup, edit input": dict(drafter="ngram", gamma=8,
                                         repeat_prompts=True,

@@ -73,22 +73,35 @@ def _verify_steps(target: Model, cache, tokens, lengths, draft_tokens,
   return jax.lax.fori_loop(0, num_steps, step, (draft_tokens, cache))
 
 
-def _fastest_seconds(fn, num_steps: int, repeats: int) -> float:
-  """The fastest of `repeats` runs: the one least disturbed by the machine."""
-  times = []
+def _seconds(fn, *args) -> float:
+  start = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  return time.perf_counter() - start
+
+
+def seconds_per_step(fns: dict, short: int = 4, long: int = 24,
+                     repeats: int = 3) -> dict:
+  """{name: slope of the time of fn(num_steps) between short and long steps}.
+
+  The functions take turns, so a slow spell of the machine hits them alike,
+  and each keeps its fastest run of each length.
+  """
+  for fn in fns.values():
+    jax.block_until_ready(fn(short))  # compiles; num_steps is traced
+  fastest = {}
   for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(num_steps))
-    times.append(time.perf_counter() - start)
-  return min(times)
+    for name, fn in fns.items():
+      for steps in (short, long):
+        elapsed = _seconds(fn, steps)
+        fastest[name, steps] = min(fastest.get((name, steps), elapsed), elapsed)
+  return {name: (fastest[name, long] - fastest[name, short]) / (long - short)
+          for name in fns}
 
 
-def seconds_per_step(fn, short: int = 4, long: int = 24,
-                     repeats: int = 3) -> float:
-  """Slope of the time of fn(num_steps) between num_steps = short and long."""
-  jax.block_until_ready(fn(short))  # compiles; num_steps is traced
-  return ((_fastest_seconds(fn, long, repeats)
-           - _fastest_seconds(fn, short, repeats)) / (long - short))
+def fastest_call_seconds(fn, repeats: int = 3) -> float:
+  """The fastest of `repeats` calls of fn(), after one that compiles."""
+  jax.block_until_ready(fn())
+  return min(_seconds(fn) for _ in range(repeats))
 
 
 def component_seconds(target: Model, drafter, batch_size: int,
@@ -126,21 +139,16 @@ def component_seconds(target: Model, drafter, batch_size: int,
   verify_steps = lambda n: _verify_steps(
       target, target_cache, tokens, lengths, draft_tokens, draft_probs, key, n,
       sampling)
-  propose_s = seconds_per_step(propose_steps)
+  steps = seconds_per_step({"propose": propose_steps, "target": target_steps,
+                            "verify": verify_steps})
   prompts = tokens[:, :prompt_width]
   prompt_lengths = jnp.full((batch_size,), prompt_width, jnp.int32)
   return {
-      "draft_step_s": propose_s / gamma,
-      "target_step_s": seconds_per_step(target_steps),
-      "verify_s": seconds_per_step(verify_steps),
+      "draft_step_s": steps["propose"] / gamma,
+      "target_step_s": steps["target"],
+      "verify_s": steps["verify"],
       "target_prefill_s": fastest_call_seconds(
           lambda: target.prefill(prompts, prompt_lengths, max_len)),
       "draft_prefill_s": fastest_call_seconds(
           lambda: drafter.prefill(prompts, prompt_lengths, max_len)),
   }
-
-
-def fastest_call_seconds(fn, repeats: int = 3) -> float:
-  """The fastest of `repeats` calls of fn(), after one that compiles."""
-  jax.block_until_ready(fn())
-  return _fastest_seconds(lambda _: fn(), 0, repeats)

@@ -2,7 +2,6 @@
 and test that their outputs follow one law. `experiments/` and the notebooks
 call these functions."""
 
-import dataclasses
 import os
 import pathlib
 import time
@@ -36,11 +35,7 @@ def load(path: str, mesh=None, replicate: bool = False,
   (sharding.py), replicated if `replicate`; `name` says which model an error
   is about."""
   if path.startswith("hf:"):
-    bundle = hf.load_hf(path.removeprefix("hf:"))
-    if mesh is None:
-      return bundle
-    return dataclasses.replace(bundle, model=sharding.shard_model(
-        bundle.model, mesh, replicate, name))
+    return hf.load_hf(path.removeprefix("hf:"), mesh=mesh, replicate=replicate)
   model, tokenizer = checkpoint.load_model(resolve(path), mesh, replicate,
                                            name)
   return hf.ModelBundle(model, tokenizer, tokenizer.token_to_id(data.EOS))

@@ -11,6 +11,7 @@ and up into `mlp_in`. GPT-2's Conv1D kernels are stored [in, out], the
 transpose of ours.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,7 +25,7 @@ import numpy as np
 import safetensors.flax
 import tokenizers
 
-from spec_jax import data
+from spec_jax import data, sharding
 from spec_jax.model import Model, RopeScaling, TransformerConfig
 
 FAMILIES = ("gpt2", "llama", "qwen2")
@@ -325,7 +326,8 @@ def load_eos_id(path) -> int | None:
   return eos
 
 
-def load_hf(path, dtype: str = "float32") -> ModelBundle:
+def load_hf(path, dtype: str = "float32", mesh=None,
+            replicate: bool = False) -> ModelBundle:
   """Reads a Hugging Face GPT-2, Llama or Qwen2 model.
 
   Args:
@@ -334,6 +336,9 @@ def load_hf(path, dtype: str = "float32") -> ModelBundle:
       "HuggingFaceTB/SmolLM2-135M" when huggingface_hub and the network are
       there.
     dtype: parameter and activation dtype; weights are cast to it.
+    mesh: if given, the weights are read into host memory and each device
+      receives only its shards (sharding.py's rules), replicated if
+      `replicate`.
 
   Raises:
     FileNotFoundError: a file is missing.
@@ -350,9 +355,15 @@ def load_hf(path, dtype: str = "float32") -> ModelBundle:
         "AutoTokenizer.from_pretrained(...).save_pretrained(folder).")
   hf = json.loads((folder / "config.json").read_text())
   config = config_from_hf(hf, dtype)
-  params = params_from_hf(_read_tensors(folder), config)
+  # With a mesh, stage the weights in host memory, not on one accelerator.
+  staging = (jax.default_device(jax.local_devices(backend="cpu")[0])
+             if mesh is not None else contextlib.nullcontext())
+  with staging:
+    model = Model(config, params_from_hf(_read_tensors(folder), config))
+  if mesh is not None:
+    model = sharding.shard_model(model, mesh, replicate)
   tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
-  return ModelBundle(Model(config, params), tokenizer, load_eos_id(folder))
+  return ModelBundle(model, tokenizer, load_eos_id(folder))
 
 
 def save_hf(path, model: Model, tokenizer: tokenizers.Tokenizer,

@@ -232,15 +232,6 @@ def _sharded(config, planned, mesh, replicate, make_params, *args):
                cache_sharding=cache_sharding(planned, mesh, replicate))
 
 
-def shard_model(model: Model, mesh: Mesh, replicate: bool = False,
-                name: str = "model") -> Model:
-  """A model already in memory (e.g. read from safetensors) moved into its
-  shardings; `restore_model` avoids the full copy for orbax checkpoints."""
-  planned = plan_config(model.config, mesh, replicate, name)
-  return _sharded(model.config, planned, mesh, replicate, lambda p: p,
-                  model.params)
-
-
 def init_model(config: TransformerConfig, key: jax.Array, mesh: Mesh,
                replicate: bool = False) -> Model:
   """Random parameters created directly in their shardings."""
@@ -249,15 +240,9 @@ def init_model(config: TransformerConfig, key: jax.Array, mesh: Mesh,
                   lambda k: Model.init(config, k).params, key)
 
 
-def restore_model(path, config: TransformerConfig, mesh: Mesh,
-                  replicate: bool = False, name: str = "model") -> Model:
-  """Orbax restores the params at `path` straight into their shardings.
-
-  Orbax reads each array into the stored layout's shardings (a dimension
-  the mesh does not divide is read replicated), then one jit pads and
-  reorders into the planned layout's shardings.
-  """
-  planned = plan_config(config, mesh, replicate, name)
+def _stored_shardings(config: TransformerConfig, mesh: Mesh, replicate: bool):
+  """Shardings of params in `config`'s own (unpadded) layout: the planned
+  rules, with a dimension the mesh does not divide replicated."""
   stored = _abstract_params(config)
 
   def read_sharding(leaf, sharding):
@@ -265,13 +250,36 @@ def restore_model(path, config: TransformerConfig, mesh: Mesh,
             for a, size in zip(sharding.spec + (None,) * leaf.ndim, leaf.shape)]
     return NamedSharding(mesh, PartitionSpec(*axes))
 
+  return stored, jax.tree.map(read_sharding, stored,
+                              param_shardings(stored, mesh, replicate))
+
+
+def restore_model(path, config: TransformerConfig, mesh: Mesh,
+                  replicate: bool = False, name: str = "model") -> Model:
+  """Orbax restores the params at `path` straight into their shardings.
+
+  Orbax reads each array into the stored layout's shardings, then one jit
+  pads and reorders into the planned layout's shardings.
+  """
+  planned = plan_config(config, mesh, replicate, name)
+  stored, shardings = _stored_shardings(config, mesh, replicate)
   targets = jax.tree.map(
-      lambda leaf, sharding: jax.ShapeDtypeStruct(
-          leaf.shape, config.dtype, sharding=read_sharding(leaf, sharding)),
-      stored, param_shardings(stored, mesh, replicate))
+      lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, config.dtype,
+                                                  sharding=sharding),
+      stored, shardings)
   with ocp.StandardCheckpointer() as checkpointer:
     params = checkpointer.restore(path, targets)
   return _sharded(config, planned, mesh, replicate, lambda p: p, params)
+
+
+def shard_model(model: Model, mesh: Mesh, replicate: bool = False,
+                name: str = "model") -> Model:
+  """A model whose params are in host memory (e.g. read from safetensors)
+  moved into its shardings: each device receives only its shards."""
+  planned = plan_config(model.config, mesh, replicate, name)
+  _, shardings = _stored_shardings(model.config, mesh, replicate)
+  params = jax.device_put(model.params, shardings)
+  return _sharded(model.config, planned, mesh, replicate, lambda p: p, params)
 
 
 def check_batch(batch_size: int, mesh: Mesh) -> None:

@@ -135,7 +135,9 @@ def test_unknown_config_field_is_refused(tmp_path):
   assert result.returncode != 0 and "gama" in result.stderr
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram", "layer_skip"])
+@pytest.mark.parametrize("drafter", [
+    "model", pytest.param("ngram", marks=pytest.mark.slow),
+    pytest.param("layer_skip", marks=pytest.mark.slow)])
 def test_exactness_smoke_run(tiny_models, tmp_path, drafter):
   target, draft = tiny_models
   result = run_module(

@@ -10,7 +10,7 @@ import pytest
 import safetensors.flax
 
 import spec_jax as sj
-from spec_jax import checkpoint, evaluation, hf
+from spec_jax import checkpoint, evaluation, hf, sharding
 
 LLAMA_NEW_STYLE = {
     "model_type": "llama", "vocab_size": 512, "hidden_size": 96,
@@ -126,3 +126,17 @@ def test_main_job_refuses_a_draft_of_another_vocabulary(tmp_path):
   hf.save_hf(tmp_path / "draft", other, tokenizer)
   with pytest.raises(ValueError, match="one vocabulary"):
     evaluation.load_pair("pretrained/draft", f"hf:{tmp_path / 'draft'}")
+
+
+def test_load_hf_with_a_mesh_places_params_in_their_shardings(tmp_path):
+  draft, tokenizer = checkpoint.load_model(
+      evaluation.resolve("pretrained/draft"))
+  hf.save_hf(tmp_path, draft, tokenizer)
+  mesh = sharding.make_mesh(sharding.MeshConfig(), jax.devices()[:1])
+  loaded = hf.load_hf(tmp_path, mesh=mesh).model
+  kernel = loaded.params["block_0"]["qkv"]["kernel"]
+  assert kernel.sharding.mesh.shape == mesh.shape
+  assert kernel.sharding.spec == jax.sharding.PartitionSpec("model", None)
+  tokens = jax.numpy.asarray([tokenizer.encode("def f(x):\n").ids])
+  np.testing.assert_allclose(sj.score(loaded, tokens), sj.score(draft, tokens),
+                             atol=1e-5)

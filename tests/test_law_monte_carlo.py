@@ -90,8 +90,10 @@ def speculative(target, drafter, gamma, sampling, generate_fn):
 
 CASES = [
     (sj.Sampling(temperature=1.0), 2),
-    (sj.Sampling(temperature=1.0, top_k=3), 3),
-    (sj.Sampling(temperature=0.8, top_p=0.8), 1),
+    pytest.param(sj.Sampling(temperature=1.0, top_k=3), 3,
+                 marks=pytest.mark.slow),
+    pytest.param(sj.Sampling(temperature=0.8, top_p=0.8), 1,
+                 marks=pytest.mark.slow),
 ]
 
 

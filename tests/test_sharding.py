@@ -178,6 +178,7 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow  # about 40-100 s; CI runs the slow tests too (.ci/run)
 def test_two_processes_give_the_single_process_tokens(tmp_path):
   """Two processes of 4 CPU devices form one (2, 4) mesh over localhost."""
   flags = ["--config=configs/quickstart.py:runlocal", "--config.temperature=0",
