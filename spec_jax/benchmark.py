@@ -88,14 +88,21 @@ def seconds_per_step(fns: dict, short: int = 4, long: int = 24,
   """
   for fn in fns.values():
     jax.block_until_ready(fn(short))  # compiles; num_steps is traced
+  # Lengthen the long run until it takes 20 ms or more, so that the slope of
+  # a very cheap step (a tiny model) is not lost in launch-time noise.
+  longs = {}
+  for name, fn in fns.items():
+    longs[name] = long
+    while _seconds(fn, longs[name]) < 0.02 and longs[name] < 100_000:
+      longs[name] *= 4
   fastest = {}
   for _ in range(repeats):
     for name, fn in fns.items():
-      for steps in (short, long):
+      for steps in (short, longs[name]):
         elapsed = _seconds(fn, steps)
         fastest[name, steps] = min(fastest.get((name, steps), elapsed), elapsed)
-  return {name: (fastest[name, long] - fastest[name, short]) / (long - short)
-          for name in fns}
+  return {name: (fastest[name, longs[name]] - fastest[name, short])
+          / (longs[name] - short) for name in fns}
 
 
 def fastest_call_seconds(fn, repeats: int = 3) -> float:
