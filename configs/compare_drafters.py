@@ -32,7 +32,8 @@ def get_config(arg=None):
     variants[f"layer skip, {k} of 6 layers"] = dict(
         drafter="layer_skip", gamma=4, layer_skip=dict(num_layers=k))
   config.variants = variants
-  # AR and SD take turns this many times per batch; the fastest run counts.
+  # Runs of AR and SD over all the prompts, taking turns batch by batch; the
+  # median time counts.
   config.timing_repeats = 3
   if arg == "runlocal":
     config.variants = {

@@ -42,7 +42,8 @@ def get_config(arg=None):
   config.top_p = 1.0
   # Rows decoded together.
   config.batch_size = 1
-  # AR and SD take turns this many times per batch; the fastest run counts.
+  # Runs of AR and SD over all the prompts, taking turns batch by batch; the
+  # median time counts.
   config.timing_repeats = 1
   # Tokens generated per prompt (a row also stops at end-of-text).
   config.max_new_tokens = 96

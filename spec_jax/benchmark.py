@@ -1,20 +1,30 @@
 """Component times measured the way the decode loop runs them.
 
-Each component (a draft step, a target step, a verify with its rejection step)
-runs n times inside one jitted `fori_loop`, as it does inside the decode loop:
-no dispatch per call, caches updated in place. Its time is the slope
-(t(n_long) - t(n_short)) / (n_long - n_short), which removes launch and
-transfer costs; each t is the fastest of several runs after a warm-up call
-that compiles. The cache pointer is put back after every iteration so all n calls
+Each component (a draft step, a target step, a verify with its rejection step,
+and a whole propose -> verify -> resample cycle) runs n times inside one jitted
+`fori_loop`, as it does inside the decode loop: no dispatch per call, caches
+updated in place. Its time is the slope (t(n_long) - t(n_short)) /
+(n_long - n_short), which removes launch and transfer costs; each t is the
+median of runs taken in rounds (`RoundTimer`) after a warm-up call that
+compiles. The cache pointer is put back after every iteration so all n calls
 attend over the same cache; attention reads every slot regardless of the
 pointer, so this costs what a mid-sequence call costs.
+
+A cycle is timed whole as well as by its parts because on a CPU the two differ:
+here a cycle measured 4-20% more than gamma isolated draft steps plus an
+isolated verify, most likely because the target's pass (44 MB of weights, more
+than the 32 MB L3 cache) evicts the draft's weights between cycles. The cycle
+time is what the decode loop pays; the parts give the paper's c and verify
+cost.
 """
 
+import collections
 import functools
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from spec_jax import rejection
 from spec_jax.decoding import DecodeConfig, verify
@@ -73,49 +83,142 @@ def _verify_steps(target: Model, cache, tokens, lengths, draft_tokens,
   return jax.lax.fori_loop(0, num_steps, step, (draft_tokens, cache))
 
 
+@functools.partial(jax.jit, static_argnames=("gamma", "sampling"))
+def _cycle_steps(target: Model, drafter, state, target_cache, tokens, lengths,
+                 key, num_steps, gamma: int, sampling: Sampling):
+  """num_steps propose -> verify -> resample cycles: the decode loop's body
+  without its bookkeeping (emitting tokens, counting statistics)."""
+
+  def step(i, carry):
+    state, target_cache, checksum = carry
+    propose_key, resample_key = jax.random.split(jax.random.fold_in(key, i))
+    draft_tokens, draft_probs, new_state, new_target_cache = drafter.propose(
+        state, target_cache, tokens, lengths, propose_key, gamma, sampling)
+    target_probs, new_target_cache = verify(
+        target, new_target_cache, tokens, lengths, draft_tokens, sampling)
+    new_tokens, num_accepted = rejection.resample(
+        resample_key, draft_tokens, draft_probs, target_probs,
+        greedy=sampling.greedy)
+    checksum += new_tokens.sum() + num_accepted.sum()
+    return (drafter.rollback(new_state, lengths),
+            new_target_cache.rollback(target_cache.lengths), checksum)
+
+  return jax.lax.fori_loop(0, num_steps, step,
+                           (state, target_cache, jnp.zeros((), jnp.int32)))
+
+
 def _seconds(fn, *args) -> float:
   start = time.perf_counter()
   jax.block_until_ready(fn(*args))
   return time.perf_counter() - start
 
 
-def seconds_per_step(fns: dict, short: int = 4, long: int = 24,
-                     repeats: int = 3) -> dict:
-  """{name: slope of the time of fn(num_steps) between short and long steps}.
+class RoundTimer:
+  """Times functions in rounds; each keeps the median of its runs.
 
-  The functions take turns, so a slow spell of the machine hits them alike,
-  and each keeps its fastest run of each length.
+  steps: {name: fn(num_steps)}, timed at a short and a long length; what
+    counts is the slope, seconds per step, which removes launch and transfer
+    costs. `long` is one length for all or {name: length}; a long run is
+    lengthened until it takes 100 ms or more, as a decode loop does, so that
+    the slope of a cheap step (a draft step, a tiny model) is not lost in
+    launch-time noise.
+  calls: {name: fn()}, timed whole.
+
+  The functions take turns within a round, and rounds can be interleaved with
+  other timed work (the decode loops, in `evaluation.compare`), so that a
+  slow spell of the machine, which on a shared machine lasts seconds, hits
+  them all alike. A median, not a minimum: the decode loops are timed by
+  medians too, and the minimum of a few runs undercuts the typical run by an
+  amount that grows with the run's length.
   """
-  for fn in fns.values():
-    jax.block_until_ready(fn(short))  # compiles; num_steps is traced
-  # Lengthen the long run until it takes 20 ms or more, so that the slope of
-  # a very cheap step (a tiny model) is not lost in launch-time noise.
-  longs = {}
-  for name, fn in fns.items():
-    longs[name] = long
-    while _seconds(fn, longs[name]) < 0.02 and longs[name] < 100_000:
-      longs[name] *= 4
-  fastest = {}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      for steps in (short, longs[name]):
-        elapsed = _seconds(fn, steps)
-        fastest[name, steps] = min(fastest.get((name, steps), elapsed), elapsed)
-  return {name: (fastest[name, longs[name]] - fastest[name, short])
-          / (longs[name] - short) for name in fns}
+
+  def __init__(self, steps: dict, calls: dict | None = None, short: int = 4,
+               long: int | dict = 24):
+    self.steps, self.calls, self.short = steps, calls or {}, short
+    for fn in steps.values():
+      jax.block_until_ready(fn(short))  # compiles; num_steps is traced
+    for fn in self.calls.values():
+      jax.block_until_ready(fn())
+    self.longs = {}
+    for name, fn in steps.items():
+      self.longs[name] = long[name] if isinstance(long, dict) else long
+      while (_seconds(fn, self.longs[name]) < 0.1
+             and self.longs[name] < 100_000):
+        self.longs[name] *= 4
+    self.runs = collections.defaultdict(list)
+
+  def time_round(self) -> None:
+    for name, fn in self.steps.items():
+      for steps in (self.short, self.longs[name]):
+        self.runs[name, steps].append(_seconds(fn, steps))
+    for name, fn in self.calls.items():
+      self.runs[name].append(_seconds(fn))
+
+  def seconds(self) -> dict:
+    """{name: seconds per step (steps) or per call (calls)}, so far."""
+    median = {key: float(np.median(times)) for key, times in self.runs.items()}
+    per_step = {name: (median[name, self.longs[name]] - median[name, self.short])
+                / (self.longs[name] - self.short) for name in self.steps}
+    return {**per_step, **{name: median[name] for name in self.calls}}
 
 
-def fastest_call_seconds(fn, repeats: int = 3) -> float:
-  """The fastest of `repeats` calls of fn(), after one that compiles."""
-  jax.block_until_ready(fn())
-  return min(_seconds(fn) for _ in range(repeats))
+def _context(target: Model, batch_size: int, max_len: int):
+  """Tokens [B, max_len], lengths [B] at mid-cache, the full lengths [B] and
+  the target's cache, filled with the keys and values of the whole context.
+
+  The context repeats, so that prompt lookup finds matches as it would in
+  the inputs it is good for. The cache holds real keys and values, as in the
+  middle of a decode: on a CPU, attention over an all-zero cache ran 5-10%
+  faster than over a filled one, which priced the loop's parts too low.
+  """
+  lengths = jnp.full((batch_size,), max_len // 2, jnp.int32)
+  full = jnp.full((batch_size,), max_len, jnp.int32)
+  tokens = jnp.broadcast_to(jnp.arange(max_len) % 7, (batch_size, max_len))
+  cache = target.prefill(tokens, full, max_len).rollback(lengths - 1)
+  return tokens, lengths, full, cache
 
 
-def component_seconds(target: Model, drafter, batch_size: int,
-                      prompt_width: int, max_len: int,
-                      config: DecodeConfig) -> dict:
-  """Seconds per draft step, per target step and per verify (+ resample), and
-  of the target's and the drafter's prefill of a prompt batch.
+class TargetTimer:
+  """Seconds per target step (model call and sampling) and of the target's
+  prefill of a prompt batch: what autoregressive decoding costs. Measured in
+  rounds (`time_round`, then `seconds`).
+
+  Args:
+    target: the target model.
+    batch_size: rows decoded together.
+    prompt_width: padded prompt width.
+    max_len: cache length, as in the decode loop.
+    sampling: as in the decode loop.
+    steps: the long run's length. Give the AR loop's own (max_new_tokens),
+      so the step is timed over runs as long as the loop's.
+  """
+
+  def __init__(self, target: Model, batch_size: int, prompt_width: int,
+               max_len: int, sampling: Sampling, steps: int = 24):
+    key = jax.random.key(0)
+    tokens, lengths, _, cache = _context(target, batch_size, max_len)
+    prompts = tokens[:, :prompt_width]
+    prompt_lengths = jnp.full((batch_size,), prompt_width, jnp.int32)
+    self.timer = RoundTimer(
+        {"target": lambda n: _decode_steps(target, cache, tokens[:, 0], key,
+                                           n, sampling)},
+        {"prefill": lambda: target.prefill(prompts, prompt_lengths, max_len)},
+        long=max(steps, 8))
+
+  def time_round(self) -> None:
+    self.timer.time_round()
+
+  def seconds(self) -> dict:
+    times = self.timer.seconds()
+    return {"target_step_s": times["target"],
+            "target_prefill_s": times["prefill"]}
+
+
+class CycleTimer:
+  """Seconds per draft step, per verify (+ resample) and per whole cycle, and
+  of the drafter's prefill of a prompt batch: what a speculative cycle costs
+  beyond the target's own step. Measured in rounds (`time_round`, then
+  `seconds`).
 
   Args:
     target: the target model.
@@ -125,37 +228,49 @@ def component_seconds(target: Model, drafter, batch_size: int,
     max_len: cache length, as in the decode loop (prompt width +
       max_new_tokens + gamma + 1).
     config: gamma and sampling as in the decode loop.
+    cycles: the long run's length for a cycle; about an SD call's number of
+      cycles times it over runs as long as the loop's.
   """
-  gamma, sampling = config.gamma, config.sampling
-  key = jax.random.key(0)
-  lengths = jnp.full((batch_size,), max_len // 2, jnp.int32)
-  # A repetitive context, so that prompt lookup finds matches as it would
-  # in the inputs it is good for.
-  tokens = jnp.broadcast_to(jnp.arange(max_len) % 7, (batch_size, max_len))
-  target_cache = target.init_cache(batch_size, max_len).rollback(lengths - 1)
-  draft_state = drafter.rollback(
-      drafter.prefill(tokens, lengths, max_len), lengths)
-  propose_steps = lambda n: _propose_steps(
-      drafter, draft_state, target_cache, tokens, lengths, key, n, gamma,
-      sampling)
-  target_steps = lambda n: _decode_steps(target, target_cache, tokens[:, 0],
-                                         key, n, sampling)
-  draft_tokens = tokens[:, :gamma]
-  draft_probs = jnp.full((batch_size, gamma, target.vocab_size),
-                         1.0 / target.vocab_size)
-  verify_steps = lambda n: _verify_steps(
-      target, target_cache, tokens, lengths, draft_tokens, draft_probs, key, n,
-      sampling)
-  steps = seconds_per_step({"propose": propose_steps, "target": target_steps,
-                            "verify": verify_steps})
-  prompts = tokens[:, :prompt_width]
-  prompt_lengths = jnp.full((batch_size,), prompt_width, jnp.int32)
-  return {
-      "draft_step_s": steps["propose"] / gamma,
-      "target_step_s": steps["target"],
-      "verify_s": steps["verify"],
-      "target_prefill_s": fastest_call_seconds(
-          lambda: target.prefill(prompts, prompt_lengths, max_len)),
-      "draft_prefill_s": fastest_call_seconds(
-          lambda: drafter.prefill(prompts, prompt_lengths, max_len)),
-  }
+
+  def __init__(self, target: Model, drafter, batch_size: int,
+               prompt_width: int, max_len: int, config: DecodeConfig,
+               cycles: int = 24):
+    gamma, sampling = config.gamma, config.sampling
+    self.gamma = gamma
+    key = jax.random.key(0)
+    tokens, lengths, full, target_cache = _context(target, batch_size,
+                                                   max_len)
+    draft_state = drafter.rollback(drafter.prefill(tokens, full, max_len),
+                                   lengths)
+    draft_tokens = tokens[:, :gamma]
+    draft_probs = jnp.full((batch_size, gamma, target.vocab_size),
+                           1.0 / target.vocab_size)
+    prompts = tokens[:, :prompt_width]
+    prompt_lengths = jnp.full((batch_size,), prompt_width, jnp.int32)
+    steps = {
+        "propose": lambda n: _propose_steps(
+            drafter, draft_state, target_cache, tokens, lengths, key, n, gamma,
+            sampling),
+        "verify": lambda n: _verify_steps(
+            target, target_cache, tokens, lengths, draft_tokens, draft_probs,
+            key, n, sampling),
+        "cycle": lambda n: _cycle_steps(
+            target, drafter, draft_state, target_cache, tokens, lengths, key,
+            n, gamma, sampling),
+    }
+    calls = {"draft_prefill": lambda: drafter.prefill(
+        prompts, prompt_lengths, max_len)}
+    self.timer = RoundTimer(steps, calls, long={
+        "propose": 24, "verify": 24, "cycle": max(cycles, 8)})
+
+  def time_round(self) -> None:
+    self.timer.time_round()
+
+  def seconds(self) -> dict:
+    times = self.timer.seconds()
+    return {
+        "draft_step_s": times["propose"] / self.gamma,
+        "verify_s": times["verify"],
+        "cycle_s": times["cycle"],
+        "draft_prefill_s": times["draft_prefill"],
+    }

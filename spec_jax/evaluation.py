@@ -144,32 +144,41 @@ def parse_temperatures(text) -> list[float]:
 
 
 def _decode_all(decoders: dict, prompt_ids, batch_size: int, width: int,
-                repeats: int = 1) -> dict:
-  """Runs each decoder over the prompts in batches, side by side.
+                repeats: int = 1, after_batch=None) -> dict:
+  """Runs each decoder over all the prompts in batches, `repeats` times.
 
-  For each batch the decoders take turns, `repeats` times, and each keeps its
-  fastest time of the batch: the run least disturbed by the rest of the
-  machine. Every batch is padded to one width, so one compiled program serves
-  all and no compilation falls inside the timing.
+  Batch by batch the decoders take turns, so a slow spell of the machine hits
+  them alike; `after_batch()`, if given, runs after each batch's turns (a
+  sweep times the loop's components there, for the same reason). A decoder's
+  time is the median over repeats of its time for all the batches: the
+  component times of `benchmark` are medians too, so measured and predicted
+  speedups compare like with like. Every batch is padded to one width, so one
+  compiled program serves all and no compilation falls inside the timing.
 
-  Returns {name: (results, seconds)}.
+  Returns {name: (results of the first repeat, seconds)}.
   """
-  results = {name: [] for name in decoders}
-  seconds = dict.fromkeys(decoders, 0.0)
+  batches = []
   for start in range(0, len(prompt_ids), batch_size):
     batch = prompt_ids[start:start + batch_size]
     batch = batch + [batch[-1]] * (batch_size - len(batch))  # fixed shape
-    prompts, lengths = pad_prompts(batch, min_width=width)
-    fastest, last = dict.fromkeys(decoders, float("inf")), {}
-    for _ in range(repeats):
+    batches.append(pad_prompts(batch, min_width=width))
+  results = {name: [] for name in decoders}
+  totals = {name: [] for name in decoders}
+  for repeat in range(repeats):
+    seconds = dict.fromkeys(decoders, 0.0)
+    for prompts, lengths in batches:
       for name, decode in decoders.items():
         begin = time.perf_counter()
-        last[name] = jax.block_until_ready(decode(prompts, lengths))
-        fastest[name] = min(fastest[name], time.perf_counter() - begin)
+        result = jax.block_until_ready(decode(prompts, lengths))
+        seconds[name] += time.perf_counter() - begin
+        if repeat == 0:
+          results[name].append(sharding.to_host(result))
+      if after_batch is not None:
+        after_batch()
     for name in decoders:
-      seconds[name] += fastest[name]
-      results[name].append(sharding.to_host(last[name]))
-  return {name: (results[name], seconds[name]) for name in decoders}
+      totals[name].append(seconds[name])
+  return {name: (results[name], float(np.median(totals[name])))
+          for name in decoders}
 
 
 def _rows(results: list[DecodeResult], count: int) -> list[list[int]]:
@@ -182,11 +191,15 @@ def _rows(results: list[DecodeResult], count: int) -> list[list[int]]:
 
 
 def compare(config: ml_collections.ConfigDict, target, drafter, tokenizer,
-            prompts: list[str], mesh=None) -> list[dict]:
+            prompts: list[str], mesh=None, before_timing=None,
+            after_batch=None) -> list[dict]:
   """AR and SD on the same prompts and settings, one RUN per temperature.
 
   Each decode is compiled and warmed up on the first batch before timing.
   With a mesh (the one the pair was loaded on), batches are split over it.
+  before_timing() runs after the warm-up and before the first timed batch
+  (a sweep waits there for work it compiled alongside); after_batch() after
+  each timed batch (see `_decode_all`).
   """
   if mesh is not None:
     sharding.check_batch(config.batch_size, mesh)
@@ -209,8 +222,10 @@ def compare(config: ml_collections.ConfigDict, target, drafter, tokenizer,
     # Warm-up: compile outside the timing.
     _decode_all(decoders, prompt_ids[:config.batch_size], config.batch_size,
                 width)
+    if before_timing is not None:
+      before_timing()
     timed = _decode_all(decoders, prompt_ids, config.batch_size, width,
-                        config.get("timing_repeats", 1))
+                        config.get("timing_repeats", 1), after_batch)
     (ar_results, ar_seconds), (sd_results, sd_seconds) = timed["ar"], timed["sd"]
     ar_rows = _rows(ar_results, len(prompts))
     sd_rows = _rows(sd_results, len(prompts))

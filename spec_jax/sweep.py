@@ -2,16 +2,25 @@
 
 For every (temperature, gamma) the sweep runs AR and SD side by side on the
 same prompts (`evaluation.compare`), times the loop's components inside jitted
-loops (`benchmark.component_seconds`), and sets the measurements beside what
-they predict:
+loops between those runs' batches (`benchmark.ComponentTimer`), and sets the
+measurements beside what they predict:
 
   * tau measured vs tau from the i.i.d. formula at the measured alpha;
   * speedup measured vs speedup predicted by pricing the work the runs did
-    (AR steps, SD cycles, prefills) at the component times. These two agree
-    when the loops cost nothing beyond their parts, so their ratio is the
-    loops' efficiency.
+    (AR steps, SD cycles, prefills) at the component times, a cycle timed
+    whole. These two agree when the loops cost nothing beyond their parts, so
+    their ratio is the loops' efficiency. The prediction from the cycle's
+    isolated parts (gamma draft steps + a verify) is recorded too: on a CPU a
+    cycle costs more than its parts (see benchmark.py).
+
+AR decoding does not depend on gamma, so the AR time and the target step are
+pooled over each temperature's rows: the median of every row's AR runs (each
+row still runs AR beside SD, batch by batch), and the median of every round of
+target-step timing.
 """
 
+import concurrent.futures
+import itertools
 import time
 
 import ml_collections
@@ -37,22 +46,28 @@ def parse_gammas(text) -> list[int]:
   return gammas
 
 
-def _row(run: dict, parts: dict) -> dict:
-  """One sweep row from a `compare` RUN and the component times."""
+def _row(run: dict, parts: dict, ar_seconds: float) -> dict:
+  """One sweep row from a `compare` RUN, the component times and the AR time
+  pooled over the temperature's rows."""
   gamma, sd = run["gamma"], run["sd"]
   alpha = sd["mean_overlap"]
+  ar_tokens_per_s = run["ar"]["new_tokens"] / ar_seconds
+  speedup = sd["tokens_per_s"] / ar_tokens_per_s
   # What the cycles really emitted, after EOS and max_new_tokens cut the last
   # one short.
   emitted_per_cycle = sd["new_tokens"] / max(sd["cycles"], 1)
   c = parts["draft_step_s"] / parts["target_step_s"]
   verify_cost = parts["verify_s"] / parts["target_step_s"]
-  # The same work the measured runs did, priced at the component times.
+  # The same work the measured runs did, priced at the component times: with
+  # the cycle timed whole (what the loop body costs), and from its parts (what
+  # gamma draft steps and a verify cost alone).
+  parts_cycle_s = gamma * parts["draft_step_s"] + parts["verify_s"]
+  work = dict(ar_steps=run["ar"]["steps"], sd_cycles=sd["loop_cycles"],
+              num_prefills=run["num_batches"],
+              target_prefill_s=parts["target_prefill_s"],
+              draft_prefill_s=parts["draft_prefill_s"])
   predicted = float(theory.predicted_speedup(
-      gamma, parts["draft_step_s"], parts["verify_s"], parts["target_step_s"],
-      ar_steps=run["ar"]["steps"], sd_cycles=sd["loop_cycles"],
-      num_prefills=run["num_batches"],
-      target_prefill_s=parts["target_prefill_s"],
-      draft_prefill_s=parts["draft_prefill_s"]))
+      parts["cycle_s"], parts["target_step_s"], **work))
   per_position = np.asarray(sd["accepted_per_position"]) / max(sd["cycles"], 1)
   return {
       "gamma": gamma,
@@ -66,11 +81,17 @@ def _row(run: dict, parts: dict) -> dict:
       "draft_cost_ratio_c": c,
       "verify_cost_ratio": verify_cost,
       **parts,
-      "ar_tokens_per_s": run["ar"]["tokens_per_s"],
+      "ar_tokens_per_s": ar_tokens_per_s,
+      # This row's own AR runs, before pooling.
+      "ar_tokens_per_s_row": run["ar"]["tokens_per_s"],
       "sd_tokens_per_s": sd["tokens_per_s"],
-      "speedup": run["speedup"],
+      "speedup": speedup,
       "predicted_speedup": predicted,
-      "measured_over_predicted": run["speedup"] / predicted,
+      "measured_over_predicted": speedup / predicted,
+      "predicted_speedup_from_parts": float(theory.predicted_speedup(
+          parts_cycle_s, parts["target_step_s"], **work)),
+      # What alternating the two models costs beyond their isolated times.
+      "cycle_over_parts": parts["cycle_s"] / parts_cycle_s,
       # The paper's model: i.i.d. acceptance at the measured alpha, with the
       # measured c and verify cost.
       "predicted_speedup_iid": float(theory.expected_speedup_with_verify_cost(
@@ -104,31 +125,61 @@ def gamma_sweep(config: ml_collections.ConfigDict, target, drafter, tokenizer,
   prompt_ids = [tokenizer.encode(p).ids or [0] for p in prompts]
   width = pad_prompts(prompt_ids)[0].shape[1]
   total = len(gammas) * len(temperatures)
-  rows, start = [], time.perf_counter()
+  rows, done, start = [], 0, time.perf_counter()
+  # A cache length for every gamma (the longest decode loop's), so the target
+  # step and the prefills compile once; a few more cache slots change a
+  # step's time by well under 1%.
+  max_len = width + config.max_new_tokens + max(gammas) + 1
   for temperature in temperatures:
+    sampling = Sampling(temperature=temperature, top_k=config.top_k,
+                        top_p=config.top_p)
+    # AR decoding does not depend on gamma, so every row's AR runs and
+    # target-step timings measure the same thing. Pooled over the
+    # temperature's rows, their noise shrinks by sqrt(len(gammas)).
+    target_timer = benchmark.TargetTimer(
+        target, config.batch_size, width, max_len, sampling,
+        steps=config.max_new_tokens)
+    runs = []
     for gamma in gammas:
       run_config = ml_collections.ConfigDict(config.to_dict())
       run_config.gamma = gamma
       run_config.temperature = str(temperature)
-      (run,) = evaluation.compare(run_config, target, drafter, tokenizer,
-                                  prompts)
-      decode_config = DecodeConfig(
-          gamma=gamma, max_new_tokens=config.max_new_tokens,
-          sampling=Sampling(temperature=temperature, top_k=config.top_k,
-                            top_p=config.top_p))
-      parts = benchmark.component_seconds(
-          target, drafter, config.batch_size, width,
-          width + config.max_new_tokens + gamma + 1, decode_config)
-      row = _row(run, parts)
-      rows.append(row)
+      # The cycle's timer compiles on one core while `compare` compiles the
+      # decode loop on the other; its long runs are as long as an SD call
+      # would be if every draft were accepted.
+      with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(
+            benchmark.CycleTimer, target, drafter, config.batch_size, width,
+            max_len, DecodeConfig(gamma=gamma,
+                                  max_new_tokens=config.max_new_tokens,
+                                  sampling=sampling),
+            cycles=-(-config.max_new_tokens // (gamma + 1)))
+        batches = itertools.count()
+
+        def time_components():
+          # Between the AR and SD runs' batches, so that a slow spell of the
+          # machine hits both sides of the comparison alike. The target's
+          # timer, pooled over the rows, needs fewer rounds per row.
+          if next(batches) % 2 == 0:
+            target_timer.time_round()
+          pending.result().time_round()
+
+        (run,) = evaluation.compare(
+            run_config, target, drafter, tokenizer, prompts,
+            before_timing=pending.result, after_batch=time_components)
+      cycle_timer = pending.result()
+      runs.append((run, cycle_timer.seconds()))
+      done += 1
       elapsed = time.perf_counter() - start
-      eta = elapsed / len(rows) * (total - len(rows))
-      log(f"[{len(rows)}/{total}] T={temperature:g} gamma={gamma:2d}: "
-          f"alpha {row['alpha_min_pq']:.3f}, tau {row['tokens_per_cycle']:.2f}"
-          f" (iid {row['predicted_tokens_per_cycle_iid']:.2f}), speedup "
-          f"{row['speedup']:.2f}x (predicted {row['predicted_speedup']:.2f}x)"
-          f", c {row['draft_cost_ratio_c']:.3f}, verify "
-          f"{row['verify_cost_ratio']:.2f} | {elapsed:.0f} s, ETA {eta:.0f} s")
+      eta = elapsed / done * (total - done)
+      log(f"[{done}/{total}] T={temperature:g} gamma={gamma:2d}: alpha "
+          f"{run['sd']['mean_overlap']:.3f}, tau "
+          f"{run['sd']['tokens_per_cycle']:.2f}, speedup {run['speedup']:.2f}x"
+          f" over this row's AR runs | {elapsed:.0f} s, ETA {eta:.0f} s")
+    ar_seconds = float(np.median([run["ar"]["wall_s"] for run, _ in runs]))
+    target_parts = target_timer.seconds()
+    rows.extend(_row(run, {**parts, **target_parts}, ar_seconds)
+                for run, parts in runs)
   return {"rows": rows,
           "best_gamma_measured": _best(rows, "speedup"),
           "best_gamma_predicted": _best(rows, "predicted_speedup")}

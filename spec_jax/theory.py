@@ -55,17 +55,18 @@ def optimal_gamma(alpha: float, c: float, max_gamma: int,
   return int(gammas[np.argmax(speedups)])
 
 
-def predicted_speedup(gamma, draft_step_s, verify_s, target_step_s, *,
-                      ar_steps, sd_cycles, num_prefills=0,
-                      target_prefill_s=0.0, draft_prefill_s=0.0):
-  """Speedup predicted from measured component times and step counts.
+def predicted_speedup(cycle_s, target_step_s, *, ar_steps, sd_cycles,
+                      num_prefills=0, target_prefill_s=0.0,
+                      draft_prefill_s=0.0):
+  """Speedup predicted from measured component times and work counts.
 
-  AR runs ar_steps target steps; SD runs sd_cycles cycles of gamma draft steps
-  and one verify (with its rejection step). Both prefill their prompts
+  AR runs ar_steps target steps of target_step_s; SD runs sd_cycles cycles of
+  cycle_s each (gamma draft steps, one verify and its rejection step: timed
+  whole, or gamma * draft_step_s + verify_s). Both prefill their prompts
   num_prefills times, SD with the draft too. Comparing this with the measured
   speedup shows what the loops cost beyond their parts.
   """
   ar_s = ar_steps * target_step_s + num_prefills * target_prefill_s
-  sd_s = (sd_cycles * (np.asarray(gamma) * draft_step_s + verify_s)
+  sd_s = (sd_cycles * np.asarray(cycle_s)
           + num_prefills * (target_prefill_s + draft_prefill_s))
   return ar_s / sd_s

@@ -51,8 +51,9 @@ def test_optimal_gamma_grows_with_alpha_and_shrinks_with_cost():
 
 def test_predicted_speedup_is_the_ratio_of_predicted_times():
   # AR: 100 steps of 10 ms + 2 prefills of 30 ms = 1.06 s. SD: 25 cycles of
-  # 3 draft steps (1 ms) + a verify (12 ms), + 2 x (30 + 5) ms = 0.445 s.
+  # 15 ms (3 draft steps of 1 ms and a 12 ms verify), + 2 x (30 + 5) ms
+  # = 0.445 s.
   assert theory.predicted_speedup(
-      3, 1e-3, 12e-3, 10e-3, ar_steps=100, sd_cycles=25, num_prefills=2,
+      15e-3, 10e-3, ar_steps=100, sd_cycles=25, num_prefills=2,
       target_prefill_s=30e-3, draft_prefill_s=5e-3) == pytest.approx(
           1.06 / 0.445)
