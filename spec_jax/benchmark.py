@@ -218,7 +218,7 @@ class CycleTimer:
   """Seconds per draft step, per verify (+ resample) and per whole cycle, and
   of the drafter's prefill of a prompt batch: what a speculative cycle costs
   beyond the target's own step. Measured in rounds (`time_round`, then
-  `seconds`).
+  `seconds`); the cycle, which prices the decode loop, twice per round.
 
   Args:
     target: the target model.
@@ -228,13 +228,12 @@ class CycleTimer:
     max_len: cache length, as in the decode loop (prompt width +
       max_new_tokens + gamma + 1).
     config: gamma and sampling as in the decode loop.
-    cycles: the long run's length for a cycle; about an SD call's number of
-      cycles times it over runs as long as the loop's.
+    cycles: the long run's length for a cycle.
   """
 
   def __init__(self, target: Model, drafter, batch_size: int,
                prompt_width: int, max_len: int, config: DecodeConfig,
-               cycles: int = 24):
+               cycles: int = 32):
     gamma, sampling = config.gamma, config.sampling
     self.gamma = gamma
     key = jax.random.key(0)
@@ -247,27 +246,27 @@ class CycleTimer:
                            1.0 / target.vocab_size)
     prompts = tokens[:, :prompt_width]
     prompt_lengths = jnp.full((batch_size,), prompt_width, jnp.int32)
-    steps = {
-        "propose": lambda n: _propose_steps(
-            drafter, draft_state, target_cache, tokens, lengths, key, n, gamma,
-            sampling),
-        "verify": lambda n: _verify_steps(
-            target, target_cache, tokens, lengths, draft_tokens, draft_probs,
-            key, n, sampling),
-        "cycle": lambda n: _cycle_steps(
+    self.parts = RoundTimer(
+        {"propose": lambda n: _propose_steps(
+            drafter, draft_state, target_cache, tokens, lengths, key, n,
+            gamma, sampling),
+         "verify": lambda n: _verify_steps(
+             target, target_cache, tokens, lengths, draft_tokens, draft_probs,
+             key, n, sampling)},
+        {"draft_prefill": lambda: drafter.prefill(prompts, prompt_lengths,
+                                                  max_len)})
+    self.cycle = RoundTimer(
+        {"cycle": lambda n: _cycle_steps(
             target, drafter, draft_state, target_cache, tokens, lengths, key,
-            n, gamma, sampling),
-    }
-    calls = {"draft_prefill": lambda: drafter.prefill(
-        prompts, prompt_lengths, max_len)}
-    self.timer = RoundTimer(steps, calls, long={
-        "propose": 24, "verify": 24, "cycle": max(cycles, 8)})
+            n, gamma, sampling)}, long=cycles)
 
   def time_round(self) -> None:
-    self.timer.time_round()
+    self.parts.time_round()
+    self.cycle.time_round()
+    self.cycle.time_round()
 
   def seconds(self) -> dict:
-    times = self.timer.seconds()
+    times = {**self.parts.seconds(), **self.cycle.seconds()}
     return {
         "draft_step_s": times["propose"] / self.gamma,
         "verify_s": times["verify"],

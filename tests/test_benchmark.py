@@ -1,0 +1,58 @@
+"""The component timers: slopes, medians, a filled cache, and the cycle."""
+
+import time
+
+import jax.numpy as jnp
+import pytest
+
+import spec_jax as sj
+from conftest import tiny_pair
+from spec_jax import benchmark
+from spec_jax.decoding import DecodeConfig
+
+
+def test_round_timer_slope_removes_the_fixed_cost():
+  # fn(n) sleeps 20 ms + 2 ms per step: the slope is 2 ms whatever the
+  # fixed cost, and a call is timed whole.
+  step = lambda n: time.sleep(0.02 + 0.002 * int(n))
+  call = lambda: time.sleep(0.01)
+  timer = benchmark.RoundTimer({"step": step}, {"call": call})
+  assert timer.longs["step"] >= 40  # lengthened to >= 100 ms
+  for _ in range(3):
+    timer.time_round()
+  seconds = timer.seconds()
+  assert seconds["step"] == pytest.approx(0.002, rel=0.15)
+  assert seconds["call"] == pytest.approx(0.01, rel=0.5)
+
+
+def test_round_timer_keeps_the_median_not_the_mean():
+  # The first call is the warm-up; then one slow run of three.
+  sleeps = iter([0.0, 0.01, 0.3, 0.01])
+  timer = benchmark.RoundTimer({}, {"call": lambda: time.sleep(next(sleeps))})
+  for _ in range(3):
+    timer.time_round()
+  assert timer.seconds()["call"] < 0.05  # the mean would be 0.107
+
+
+def test_context_cache_holds_the_context_keys():
+  target, _ = tiny_pair()
+  tokens, lengths, full, cache = benchmark._context(target, 2, 40)
+  assert tokens.shape == (2, 40) and (full == 40).all()
+  assert (cache.lengths == lengths - 1).all()
+  # Every slot holds keys: attention then costs what it does mid-decode.
+  assert (jnp.abs(cache.keys[0]).sum(-1) > 0).all()
+
+
+def test_cycle_and_target_timers_give_positive_times():
+  target, draft = tiny_pair()
+  config = DecodeConfig(gamma=3, max_new_tokens=8)
+  cycle = benchmark.CycleTimer(target, sj.ModelDrafter(draft), 1, 8, 24,
+                               config, cycles=4)
+  target_timer = benchmark.TargetTimer(target, 1, 8, 24, config.sampling)
+  for _ in range(3):
+    cycle.time_round()
+    target_timer.time_round()
+  times = {**cycle.seconds(), **target_timer.seconds()}
+  assert set(times) == {"draft_step_s", "verify_s", "cycle_s",
+                        "draft_prefill_s", "target_step_s", "target_prefill_s"}
+  assert all(t > 0 for t in times.values()), times
