@@ -186,7 +186,7 @@ def gamma_sweep(config: ml_collections.ConfigDict, target, drafter, tokenizer,
 def format_table(rows: list[dict]) -> str:
   lines = [f"{'T':>3} {'gamma':>5} {'alpha':>6} {'tau':>5} {'tau iid':>7} "
            f"{'c':>6} {'verify':>6} {'AR tok/s':>8} {'SD tok/s':>8} "
-           f"{'speedup':>7} {'predicted':>9}"]
+           f"{'speedup':>7} {'predicted':>9} {'ratio':>5}"]
   for r in rows:
     lines.append(
         f"{r['temperature']:>3g} {r['gamma']:>5d} {r['alpha_min_pq']:>6.3f} "
@@ -194,5 +194,6 @@ def format_table(rows: list[dict]) -> str:
         f"{r['predicted_tokens_per_cycle_iid']:>7.2f} "
         f"{r['draft_cost_ratio_c']:>6.3f} {r['verify_cost_ratio']:>6.2f} "
         f"{r['ar_tokens_per_s']:>8.1f} {r['sd_tokens_per_s']:>8.1f} "
-        f"{r['speedup']:>6.2f}x {r['predicted_speedup']:>8.2f}x")
+        f"{r['speedup']:>6.2f}x {r['predicted_speedup']:>8.2f}x "
+        f"{r['measured_over_predicted']:>5.2f}")
   return "\n".join(lines)
