@@ -113,6 +113,38 @@ def _best(rows: list[dict], key: str) -> dict:
       for t in temperatures}}
 
 
+def _measure(config, gamma: int, temperature: float, target, drafter,
+             tokenizer, prompts, width: int, max_len: int,
+             target_timer: benchmark.TargetTimer) -> tuple[dict, dict]:
+  """One row's `compare` RUN and its cycle's component times, timed in rounds
+  between the AR and SD runs' batches, so that a slow spell of the machine
+  hits both sides of the comparison alike. The target's timer, pooled over
+  the rows, gets a round every fourth batch."""
+  run_config = ml_collections.ConfigDict(config.to_dict())
+  run_config.gamma = gamma
+  run_config.temperature = str(temperature)
+  decode_config = DecodeConfig(
+      gamma=gamma, max_new_tokens=config.max_new_tokens,
+      sampling=Sampling(temperature=temperature, top_k=config.top_k,
+                        top_p=config.top_p))
+  # The cycle's timer compiles on one core while `compare` compiles the
+  # decode loop on the other.
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    pending = pool.submit(benchmark.CycleTimer, target, drafter,
+                          config.batch_size, width, max_len, decode_config)
+    batches = itertools.count()
+
+    def time_components():
+      if next(batches) % 4 == 0:
+        target_timer.time_round()
+      pending.result().time_round()
+
+    (run,) = evaluation.compare(
+        run_config, target, drafter, tokenizer, prompts,
+        before_timing=pending.result, after_batch=time_components)
+  return run, pending.result().seconds()
+
+
 def gamma_sweep(config: ml_collections.ConfigDict, target, drafter, tokenizer,
                 prompts: list[str], log=print) -> dict:
   """Runs every (temperature, gamma) of config on the same prompts.
@@ -141,32 +173,9 @@ def gamma_sweep(config: ml_collections.ConfigDict, target, drafter, tokenizer,
         steps=config.max_new_tokens)
     runs = []
     for gamma in gammas:
-      run_config = ml_collections.ConfigDict(config.to_dict())
-      run_config.gamma = gamma
-      run_config.temperature = str(temperature)
-      # The cycle's timer compiles on one core while `compare` compiles the
-      # decode loop on the other.
-      with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(
-            benchmark.CycleTimer, target, drafter, config.batch_size, width,
-            max_len, DecodeConfig(gamma=gamma,
-                                  max_new_tokens=config.max_new_tokens,
-                                  sampling=sampling))
-        batches = itertools.count()
-
-        def time_components():
-          # Between the AR and SD runs' batches, so that a slow spell of the
-          # machine hits both sides of the comparison alike. The target's
-          # timer, pooled over the rows, needs fewer rounds per row.
-          if next(batches) % 4 == 0:
-            target_timer.time_round()
-          pending.result().time_round()
-
-        (run,) = evaluation.compare(
-            run_config, target, drafter, tokenizer, prompts,
-            before_timing=pending.result, after_batch=time_components)
-      cycle_timer = pending.result()
-      runs.append((run, cycle_timer.seconds()))
+      runs.append(_measure(config, gamma, temperature, target, drafter,
+                           tokenizer, prompts, width, max_len, target_timer))
+      run = runs[-1][0]
       done += 1
       elapsed = time.perf_counter() - start
       eta = elapsed / done * (total - done)
