@@ -43,6 +43,7 @@ def test_context_cache_holds_the_context_keys():
   assert (jnp.abs(cache.keys[0]).sum(-1) > 0).all()
 
 
+@pytest.mark.slow  # compiles four loops; the sweep smoke run uses both timers
 def test_cycle_and_target_timers_give_positive_times():
   target, draft = tiny_pair()
   config = DecodeConfig(gamma=3, max_new_tokens=8)

@@ -216,6 +216,7 @@ def test_gamma_sweep_refuses_bad_gammas_before_loading(tmp_path):
   assert result.returncode != 0 and "gammas >= 1" in result.stderr
 
 
+@pytest.mark.slow  # 25 s; every drafter also runs in the exactness smoke runs
 def test_compare_drafters_smoke_run(tiny_models, tmp_path):
   target, draft = tiny_models
   result = run_module(
