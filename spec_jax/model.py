@@ -137,12 +137,13 @@ class KVCache:
   values: tuple[jax.Array, ...]
   lengths: jax.Array
 
-  @property
-  def max_len(self) -> int:
-    return self.keys[0].shape[2]
-
   def rollback(self, lengths: jax.Array) -> "KVCache":
-    """Keeps the first `lengths[b]` slots of each row; nothing is copied."""
+    """Keeps the first `lengths[b]` slots of each row; nothing is copied.
+
+    `lengths` counts cache slots. In the decode loops a row whose sequence
+    has L tokens keeps L - 1 slots: every token but the last, which the next
+    step feeds.
+    """
     return self.replace(lengths=lengths.astype(jnp.int32))
 
 
@@ -237,8 +238,10 @@ class Block(nn.Module):
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x, positions, keys, values):
-    """x [B, T, D]; positions [B, T]; keys, values [B, K, S, Dh]."""
+  def __call__(self, x, positions, slots, visible, keys, values):
+    """x [B, T, D]; positions, slots [B, T] (rotary position and cache slot
+    of each token); visible [B, T, S] bool, the key slots each token attends
+    to; keys, values [B, K, S, Dh]."""
     cfg = self.config
     batch, length, _ = x.shape
     heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -261,12 +264,10 @@ class Block(nn.Module):
       inv_freq = rope_frequencies(cfg)
       q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions,
                                                             inv_freq)
-    keys = _write(keys, jnp.swapaxes(k, 1, 2), positions)
-    values = _write(values, jnp.swapaxes(v, 1, 2), positions)
+    keys = _write(keys, jnp.swapaxes(k, 1, 2), slots)
+    values = _write(values, jnp.swapaxes(v, 1, 2), slots)
 
     scores = jnp.einsum("btkgd,bksd->bkgts", q, keys) / math.sqrt(head_dim)
-    slots = jnp.arange(keys.shape[2])
-    visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
     scores = jnp.where(visible[:, None, None], scores.astype(jnp.float32),
                        _MASKED)
     weights = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
@@ -286,6 +287,46 @@ class Block(nn.Module):
     return x, keys, values
 
 
+def ancestor_mask(parents: jax.Array) -> jax.Array:
+  """[B, T, T] bool: token j is token t itself or one of its ancestors.
+
+  parents [B, T] int32 gives each token's parent among the T, or a negative
+  value for a token that hangs from the cached context alone; parents[b, t] <
+  t. A chain (parents = t - 1) gives the lower-triangular causal mask. The
+  closure doubles the path length per step: log2(T) boolean matmuls.
+  """
+  length = parents.shape[-1]
+  index = jnp.arange(length)
+  reach = (index[:, None] == index) | (parents[..., :, None] == index)
+  for _ in range(max(1, (length - 1).bit_length())):
+    reach = jnp.einsum("btj,bjk->btk", reach.astype(jnp.int32),
+                       reach.astype(jnp.int32)) > 0
+  return reach
+
+
+def visible_slots(slots: jax.Array, num_slots: int,
+                  parents: jax.Array | None = None) -> jax.Array:
+  """[B, T, S] bool: the cache slots each of T new tokens attends to.
+
+  The new tokens sit at slots [B, T], consecutive from each row's first one.
+  Without parents they form a chain: token t sees every slot up to its own.
+  With parents [B, T] (see `ancestor_mask`) they form a tree: token t sees
+  the context before the first new slot, then itself and its ancestors only,
+  so siblings scored in one pass never see each other.
+  """
+  slot = jnp.arange(num_slots)
+  if parents is None:
+    return slot[None, None, :] <= slots[:, :, None]
+  first = slots[:, :1, None]  # [B, 1, 1]
+  offset = slot[None, None, :] - first  # [B, 1, S] index among the new tokens
+  is_new = (offset >= 0) & (offset < slots.shape[1])
+  among_new = jnp.take_along_axis(
+      ancestor_mask(parents),
+      jnp.broadcast_to(jnp.clip(offset, 0, slots.shape[1] - 1),
+                       (slots.shape[0], slots.shape[1], num_slots)), axis=2)
+  return jnp.where(is_new, among_new, offset < 0)
+
+
 class Transformer(nn.Module):
   """Decoder: embeddings, `num_layers` blocks, final norm, output projection."""
 
@@ -298,7 +339,9 @@ class Transformer(nn.Module):
       cache: KVCache,
       positions: jax.Array | None = None,
       num_layers: int | None = None,
-  ) -> tuple[jax.Array, KVCache]:
+      parents: jax.Array | None = None,
+      hidden_layers: tuple[int, ...] = (),
+  ) -> tuple[jax.Array, KVCache, tuple[jax.Array, ...]]:
     """Runs tokens [B, T] and writes their keys and values into the cache.
 
     Args:
@@ -309,15 +352,24 @@ class Transformer(nn.Module):
       num_layers: run only the first num_layers blocks, then the final norm
         and the head (a self-speculative draft); the other layers' caches are
         returned untouched.
+      parents: [B, T] int32, set when the tokens form a tree rather than a
+        chain (see `visible_slots`). Token t is written at slot
+        `positions[:, 0] + t` and attends to the context and its ancestors;
+        its position (its depth below the context) comes from `positions`.
+      hidden_layers: return the input of each of these blocks, [B, T, D];
+        index num_layers is the last block's output, before the final norm.
 
     Returns:
-      float32 logits [B, T, V], and the cache with `lengths` set to one past
-      each row's last written position.
+      float32 logits [B, T, V], the cache with `lengths` set to one past
+      each row's last written slot, and the requested hidden states.
     """
     cfg = self.config
     if positions is None:
       positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])
     positions = positions.astype(jnp.int32)
+    slots = (positions if parents is None
+             else positions[:, :1] + jnp.arange(tokens.shape[1]))
+    visible = visible_slots(slots, cache.keys[0].shape[2], parents)
     embed = nn.Embed(
         cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.dtype,
         embedding_init=nn.initializers.normal(0.02), name="embed",
@@ -333,10 +385,13 @@ class Transformer(nn.Module):
       x = x + position_table[jnp.clip(positions, 0, cfg.max_len - 1)]
 
     keys, values = list(cache.keys), list(cache.values)
+    hidden = {}
     for i in range(cfg.num_layers if num_layers is None else num_layers):
+      hidden[i] = x
       x, keys[i], values[i] = Block(cfg, name=f"block_{i}")(
-          x, positions, keys[i], values[i]
+          x, positions, slots, visible, keys[i], values[i]
       )
+    hidden[len(hidden)] = x
     x = _norm(cfg, "ln_final")(x)
     if cfg.tie_embeddings:
       logits = embed.attend(x)
@@ -345,9 +400,9 @@ class Transformer(nn.Module):
                       name="lm_head")(x)
     logits = logits.astype(jnp.float32)
     cache = KVCache(
-        keys=tuple(keys), values=tuple(values), lengths=positions[:, -1] + 1
+        keys=tuple(keys), values=tuple(values), lengths=slots[:, -1] + 1
     )
-    return logits, cache
+    return logits, cache, tuple(hidden[i] for i in hidden_layers)
 
 
 @flax.struct.dataclass
@@ -373,18 +428,31 @@ class Model:
     tokens = jnp.zeros((1, 1), jnp.int32)
     return cls(config, Transformer(config).init(key, tokens, cache)["params"])
 
-  # Jitted so that calls from eager code compile once; inside an outer jit
-  # (the decode loops) this is inlined.
-  @functools.partial(jax.jit, static_argnames="num_layers")
   def __call__(
       self, tokens: jax.Array, cache: KVCache,
       positions: jax.Array | None = None, num_layers: int | None = None,
+      parents: jax.Array | None = None,
   ) -> tuple[jax.Array, KVCache]:
-    """`Transformer.__call__` with these parameters."""
-    logits, cache = Transformer(self.config).apply(
-        {"params": self.params}, tokens, cache, positions, num_layers
-    )
-    return logits, self._constrain(cache)
+    """Logits [B, T, V] and the cache: `Transformer.__call__` with these
+    parameters."""
+    logits, cache, _ = self.forward(tokens, cache, positions, num_layers,
+                                    parents)
+    return logits, cache
+
+  # Jitted so that calls from eager code compile once; inside an outer jit
+  # (the decode loops) this is inlined.
+  @functools.partial(jax.jit, static_argnames=("num_layers", "hidden_layers"))
+  def forward(
+      self, tokens: jax.Array, cache: KVCache,
+      positions: jax.Array | None = None, num_layers: int | None = None,
+      parents: jax.Array | None = None, hidden_layers: tuple[int, ...] = (),
+  ) -> tuple[jax.Array, KVCache, tuple[jax.Array, ...]]:
+    """`Transformer.__call__` with these parameters: logits, the cache and
+    the hidden states of `hidden_layers`."""
+    logits, cache, hidden = Transformer(self.config).apply(
+        {"params": self.params}, tokens, cache, positions, num_layers,
+        parents, hidden_layers)
+    return logits, self._constrain(cache), hidden
 
   def _constrain(self, cache: KVCache) -> KVCache:
     """Pins the cache to its shardings, so the decode loop never moves it."""

@@ -56,3 +56,55 @@ def test_logits_are_float32_for_bfloat16_params():
   assert logits.dtype == jnp.float32 and logits.shape == (1, 3, 11)
   probs = sj.Sampling(temperature=0.7, top_k=5).probs(logits)
   assert probs.dtype == jnp.float32
+
+
+def _rope_model():
+  config = sj.TransformerConfig(vocab_size=16, d_model=32, num_layers=2,
+                                num_heads=4, num_kv_heads=2, d_ff=64,
+                                max_len=32, norm="rms", position="rope",
+                                mlp="swiglu", qkv_bias=False, bias=False)
+  return sj.Model.init(config, jax.random.key(3))
+
+
+def test_tree_pass_scores_each_node_as_its_own_path(pair):
+  """One pass over a tree under the ancestor mask gives every node the
+  logits of its root-to-node path scored alone, and leaves the context's
+  slots as they were."""
+  context = jnp.array([[3, 1, 4, 1, 5]])
+  # Call tokens: the context's last token, then six nodes. Parents index the
+  # call's tokens; -1 hangs from the cached context.
+  tokens = jnp.array([[5, 9, 2, 6, 5, 3, 8]])
+  parents = jnp.array([[-1, 0, 0, 1, 1, 3, 2]])
+  depth = jnp.array([[0, 1, 1, 2, 2, 3, 2]])
+  for model in (pair[0], _rope_model()):
+    cache = model.prefill(context, jnp.array([5]), 16)  # 4 slots valid
+    logits, tree_cache = model(tokens, cache, 4 + depth, parents=parents)
+    np.testing.assert_array_equal(tree_cache.lengths, [4 + 7])
+    for node in range(7):
+      path, index = [], node
+      while index >= 0:
+        path.insert(0, int(tokens[0, index]))
+        index = int(parents[0, index])
+      alone = sj.score(model, jnp.array([[3, 1, 4, 1] + path]))[0, -1]
+      np.testing.assert_allclose(logits[0, node], alone, atol=1e-5)
+
+
+def test_hidden_states_are_the_inputs_of_the_blocks(pair):
+  target, _ = pair
+  tokens = jnp.array([[3, 1, 4, 1, 5]])
+  cache = target.init_cache(1, 8)
+  logits, _, (first, last) = target.forward(
+      tokens, cache, hidden_layers=(0, target.config.num_layers))
+  assert first.shape == last.shape == (1, 5, target.config.d_model)
+  # The first block's input is the embedding plus the position table.
+  params = target.params
+  np.testing.assert_allclose(
+      first, params["embed"]["embedding"][tokens] + params["positions"][:5],
+      atol=1e-6)
+  # The last block's output, through the final norm and the tied head.
+  scale, bias = params["ln_final"]["scale"], params["ln_final"]["bias"]
+  mean = last.mean(-1, keepdims=True)
+  normed = (last - mean) / jnp.sqrt(last.var(-1, keepdims=True)
+                                    + target.config.norm_eps) * scale + bias
+  np.testing.assert_allclose(normed @ params["embed"]["embedding"].T, logits,
+                             atol=1e-4)
