@@ -6,16 +6,13 @@ compared position by position with two-sample chi-square tests.
 `runlocal` is a seconds-long smoke run: --config=configs/exactness.py:runlocal
 """
 
-import ml_collections
-
-from configs import quickstart
+from experiments.harness.config import base_config
 
 
 def get_config(arg=None):
-  config = ml_collections.ConfigDict()
-  config.target = "pretrained/target"
-  # --config.drafter=ngram|layer_skip checks the other drafters.
-  quickstart.add_drafter_fields(config)
+  # The models and drafter fields of the main job (--config.drafter=ngram or
+  # layer_skip checks the other drafters); the sampling settings are below.
+  config = base_config()
   config.gamma = 4
   # Continuations drawn by each of AR and SD.
   config.num_samples = 20000
@@ -24,8 +21,8 @@ def get_config(arg=None):
   config.max_new_tokens = 6
   # The prompt text.
   config.prompt = "def "
-  # Sampling settings, comma-separated "temperature:top_p" pairs.
-  config.settings = "1.0:1.0,1.0:0.9"
+  # Sampling settings, (temperature, top_p) pairs.
+  config.settings = ((1.0, 1.0), (1.0, 0.9))
   # Reject at this significance after a Bonferroni correction over positions.
   config.significance = 0.001
   config.seed = 0

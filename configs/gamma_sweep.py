@@ -3,7 +3,7 @@
   python -m experiments.gamma_sweep --config=configs/gamma_sweep.py --workdir=/tmp/gamma_sweep
 
 Writes sweep.json, sweep.csv and three PNG plots into the workdir. Overrides
-read naturally, e.g. --config.gammas=2,4,8 --config.temperature=0.
+read naturally, e.g. --config.gammas=2,4,8 --config.temperatures=0.
 `runlocal` is a smoke run: --config=configs/gamma_sweep.py:runlocal
 """
 
@@ -14,15 +14,15 @@ def get_config(arg=None):
   # The main job's settings (models, prompts, sampling, batch size), so a
   # sweep measures what `experiments.run` measures, at every gamma.
   config = quickstart.get_config()
-  # Draft lengths: comma-separated, or an inclusive range "1-10".
-  config.gammas = "1-10"
+  # Draft lengths, one row each (and per temperature).
+  config.gammas = tuple(range(1, 11))
   # Runs of AR and SD over all the prompts; the median counts. One suffices
   # here: the components are timed after every batch, and each row's 8
   # batches average out a slow call.
   config.timing_repeats = 1
   del config["gamma"]  # set per row from gammas
   if arg == "runlocal":
-    config.gammas = "1,2"
+    config.gammas = (1, 2)
     config.num_prompts = 2
     config.max_new_tokens = 8
   return config

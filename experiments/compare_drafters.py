@@ -7,10 +7,10 @@ import os
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
-from spec_jax import evaluation, plots, records
+from experiments import harness
+from experiments.harness import compare, plots, records
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Comparison config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where to write the results.")
@@ -19,12 +19,11 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)  # Orbax's INFO lines drown progress.
+  harness.setup_logging()
   config = _CONFIG.value
   records.check_writable(_WORKDIR.value)
-  rows = evaluation.compare_drafters(
-      config, log=lambda line: print(line, flush=True))
-  print(evaluation.format_drafter_table(rows))
+  rows = compare.compare_drafters(config)
+  print(compare.format_drafter_table(rows))
   workdir = _WORKDIR.value
   records.write_json(os.path.join(workdir, "drafters.json"), {
       "code_version": records.code_version(), "config": config.to_dict(),

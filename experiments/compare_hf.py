@@ -7,10 +7,10 @@ import os
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
-from spec_jax import hf_compare, records
+from experiments import harness
+from experiments.harness import hf_compare, records
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.")
 _WORKDIR = flags.DEFINE_string("workdir", None,
@@ -20,7 +20,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
+  harness.setup_logging()
   config = _CONFIG.value
   records.check_writable(_WORKDIR.value)
   report = hf_compare.compare(config, _WORKDIR.value)

@@ -8,11 +8,10 @@ import os
 
 from absl import app
 from absl import flags
-from absl import logging
-import numpy as np
 from ml_collections import config_flags
 
-from spec_jax import evaluation, records
+from experiments import harness
+from experiments.harness import exactness, loading, records
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Exactness config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where to write the samples.")
@@ -21,12 +20,12 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
+  harness.setup_logging()
   config = _CONFIG.value
+  exactness.settings(config)  # bad settings fail before any loading
   records.check_writable(_WORKDIR.value)
-  target, drafter, tokenizer = evaluation.load_models(config)
-  report = evaluation.exactness(config, target, drafter, tokenizer,
-                                _WORKDIR.value)
+  loaded = loading.load_models(config)
+  report = exactness.exactness(config, loaded, _WORKDIR.value)
   for setting in report["settings"]:
     verdict = "same law" if setting["passed"] else "DIFFERENT LAWS"
     print(f"{setting['tag']}: min p-value {min(setting['p_values']):.4f} over "

@@ -7,10 +7,11 @@ import os
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
-from spec_jax import evaluation, plots, records, sweep
+from experiments import harness
+from experiments.harness import config as config_lib
+from experiments.harness import loading, plots, records, sweep
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Sweep config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where to write the results.")
@@ -19,16 +20,14 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)  # Orbax's INFO lines drown progress.
+  harness.setup_logging()
   config = _CONFIG.value
-  sweep.parse_gammas(config.gammas)  # bad gammas fail before any loading
+  config_lib.check(config)  # bad gammas fail before any loading
   records.check_writable(_WORKDIR.value)
-  target, drafter, tokenizer = evaluation.load_models(config)
-  prompts = evaluation.load_prompts(config, tokenizer)
-  print(f"{evaluation.describe(target, drafter)}, {len(prompts)} prompts",
-        flush=True)
-  result = sweep.gamma_sweep(config, target, drafter, tokenizer, prompts,
-                             log=lambda line: print(line, flush=True))
+  loaded = loading.load_models(config)
+  prompts = loading.load_prompts(config, loaded.target.tokenizer)
+  print(f"{loaded.describe()}, {len(prompts)} prompts", flush=True)
+  result = sweep.gamma_sweep(config, loaded, prompts)
   print(sweep.format_table(result["rows"]))
   for name in ("best_gamma_measured", "best_gamma_predicted"):
     print(f"{name}: {result[name]}")

@@ -12,11 +12,12 @@ import os
 
 from absl import app
 from absl import flags
-from absl import logging
 import jax
 from ml_collections import config_flags
 
-from spec_jax import evaluation, records, sharding
+from experiments import harness
+from experiments.harness import compare, loading, records
+from spec_jax import sharding
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where to write results.json.")
@@ -34,7 +35,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
+  harness.setup_logging()
   config = _CONFIG.value
   if _DISTRIBUTED.value or any(flag.value is not None for flag in (
       _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID)):
@@ -48,22 +49,23 @@ def main(argv):
   mesh = sharding.make_mesh(sharding.MeshConfig(data=config.mesh.data,
                                                 model=config.mesh.model))
   sharding.check_batch(config.batch_size, mesh)
-  target, drafter, tokenizer = evaluation.load_models(config, mesh)
-  prompts = evaluation.load_prompts(config, tokenizer)
-  param_bytes, param_bytes_per_device = sharding.param_bytes(target.params)
+  loaded = loading.load_models(config, mesh)
+  prompts = loading.load_prompts(config, loaded.target.tokenizer)
+  param_bytes, param_bytes_per_device = sharding.param_bytes(
+      loaded.target.model.params)
   if lead:
-    print(f"{evaluation.describe(target, drafter)}, {len(prompts)} prompts, "
-          f"mesh data={mesh.shape['data']} x model={mesh.shape['model']} over "
+    print(f"{loaded.describe()}, {len(prompts)} prompts, mesh data="
+          f"{mesh.shape['data']} x model={mesh.shape['model']} over "
           f"{jax.process_count()} process(es)", flush=True)
-  runs = evaluation.compare(config, target, drafter, tokenizer, prompts, mesh)
+  runs = compare.compare(config, loaded, prompts, mesh)
   if not lead:
     return
-  print(evaluation.format_table(runs))
+  print(compare.format_table(runs))
   for run in runs:
     for sample in run["samples"][:2]:
       print(f"\n--- T={run['temperature']:g} prompt ---\n{sample['prompt']}"
             f"\n--- SD continuation ---\n"
-            f"{tokenizer.decode(sample['sd_tokens'])}")
+            f"{loaded.target.tokenizer.decode(sample['sd_tokens'])}")
   path = os.path.join(_WORKDIR.value, "results.json")
   records.write_json(path, {
       "code_version": records.code_version(),

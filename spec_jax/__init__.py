@@ -1,31 +1,37 @@
 """spec_jax: exact, batched speculative decoding in JAX/Flax.
 
 The three steps of a cycle, each a pure function:
-  propose   (drafting.py)   the draft proposes gamma tokens and their laws q;
-  verify    (decoding.py)   the target scores them in one pass, giving p;
-  resample  (rejection.py)  rejection sampling keeps the output law exactly p.
-`generate` fuses them into one `lax.while_loop`; `generate_autoregressive` is
-the baseline built the same way.
+  propose   (drafting.py, drafters.py)  the draft proposes gamma tokens and
+                                        their laws q;
+  verify    (verification.py)           the target scores them in one pass,
+                                        giving p;
+  resample  (rejection.py)              rejection sampling keeps the output
+                                        law exactly p.
+`generate` (decoding.py) fuses them into one `lax.while_loop`;
+`generate_autoregressive` is the baseline built the same way. stats.py holds
+what a run counts and every ratio derived from it.
+
+Importing spec_jax loads only what decoding needs: jax, flax, numpy and the
+checkpoint readers; the experiment harness lives in experiments/.
 """
 
+from spec_jax import sharding, theory
+from spec_jax.checkpoint import load_model, save_model
 from spec_jax.decoding import (
     PAD_ID,
     DecodeConfig,
     DecodeResult,
-    DecodeStats,
     generate,
     generate_autoregressive,
     pad_prompts,
-    verify,
 )
-from spec_jax.drafting import (
-    Drafter,
+from spec_jax.drafters import (
     LayerSkipDrafter,
     ModelDrafter,
     NgramDrafter,
     prompt_lookup,
-    propose,
 )
+from spec_jax.drafting import Drafter, Proposal, VerifyOutput, propose
 from spec_jax.hf import ModelBundle, load_hf, save_hf
 from spec_jax.model import (KVCache, Model, RopeScaling, Transformer,
                             TransformerConfig, score)
@@ -36,12 +42,16 @@ from spec_jax.rejection import (
     resample,
 )
 from spec_jax.sampling import Sampling
+from spec_jax.stats import DecodeStats
+from spec_jax.verification import verify
 
 __all__ = [
     "PAD_ID", "DecodeConfig", "DecodeResult", "DecodeStats", "Drafter",
     "KVCache", "LayerSkipDrafter", "Model", "ModelBundle", "ModelDrafter",
-    "NgramDrafter", "RopeScaling", "Sampling", "Transformer",
-    "TransformerConfig", "acceptance_probs", "correction_probs", "generate",
-    "generate_autoregressive", "load_hf", "overlap", "pad_prompts",
-    "prompt_lookup", "propose", "resample", "save_hf", "score", "verify",
+    "NgramDrafter", "Proposal", "RopeScaling", "Sampling", "Transformer",
+    "TransformerConfig", "VerifyOutput", "acceptance_probs",
+    "correction_probs", "generate", "generate_autoregressive", "load_hf",
+    "load_model", "overlap", "pad_prompts", "prompt_lookup", "propose",
+    "resample", "save_hf", "save_model", "score", "sharding", "theory",
+    "verify",
 ]

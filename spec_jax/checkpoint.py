@@ -6,20 +6,20 @@ A model directory holds:
   params/          an orbax checkpoint of the parameters.
 It is written under a temporary name and renamed when complete, so a crash
 leaves either the old directory or the new one, never half of one.
+
+Orbax is imported on first use: it pulls in absl and more, which
+`import spec_jax` should not.
 """
 
 import dataclasses
 import json
-import os
 import pathlib
-import shutil
 
 import jax
 import jax.numpy as jnp
-import orbax.checkpoint as ocp
 import tokenizers
 
-from spec_jax import sharding
+from spec_jax import files, sharding
 from spec_jax.model import Model, TransformerConfig
 
 
@@ -30,21 +30,16 @@ def save_model(path, model: Model, tokenizer: tokenizers.Tokenizer,
   storage_dtype: e.g. "bfloat16" to halve the files; loading casts back to
     the config's dtype.
   """
-  path = pathlib.Path(path).absolute()
-  staging = path.with_name(path.name + ".partial")
-  shutil.rmtree(staging, ignore_errors=True)
-  staging.mkdir(parents=True)
-  (staging / "config.json").write_text(
-      json.dumps(dataclasses.asdict(model.config), indent=2))
-  tokenizer.save(str(staging / "tokenizer.json"))
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   params = model.params
   if storage_dtype:
     params = jax.tree.map(lambda x: x.astype(storage_dtype), params)
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(staging / "params", params)
-  if path.exists():
-    shutil.rmtree(path)
-  os.replace(staging, path)
+  with files.atomic_directory(path) as staging:
+    (staging / "config.json").write_text(
+        json.dumps(dataclasses.asdict(model.config), indent=2))
+    tokenizer.save(str(staging / "tokenizer.json"))
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(staging / "params", params)
 
 
 def load_tokenizer(path) -> tokenizers.Tokenizer:
@@ -52,6 +47,22 @@ def load_tokenizer(path) -> tokenizers.Tokenizer:
   if not (path / "tokenizer.json").exists():
     raise FileNotFoundError(f"no tokenizer.json in {path}.")
   return tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def _restore_params(path: pathlib.Path, config: TransformerConfig, mesh,
+                    replicate: bool, name: str):
+  """The stored params: on the default device, or straight into their
+  shardings on a mesh (each device reads only its shards)."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  expected = jax.eval_shape(lambda: Model.init(config, jax.random.key(0)))
+  targets = (sharding.restore_targets(config, mesh, replicate, name)
+             if mesh is not None else None)
+  with ocp.StandardCheckpointer() as checkpointer:
+    params = checkpointer.restore(path / "params", targets)
+  shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
+  if shapes(params) != shapes(expected.params):
+    raise ValueError("the stored parameters do not match config.json")
+  return params
 
 
 def load_model(path, mesh: jax.sharding.Mesh | None = None,
@@ -66,6 +77,7 @@ def load_model(path, mesh: jax.sharding.Mesh | None = None,
   Raises:
     FileNotFoundError: the directory or one of its parts is missing.
     ValueError: a part is corrupt or does not match the config.
+    sharding.MeshError: the mesh does not fit the model.
   """
   path = pathlib.Path(path).absolute()
   if not (path / "config.json").exists() or not (path / "params").exists():
@@ -76,22 +88,14 @@ def load_model(path, mesh: jax.sharding.Mesh | None = None,
   try:
     config = TransformerConfig(**json.loads((path / "config.json").read_text()))
     tokenizer = load_tokenizer(path)
-    if mesh is not None:
-      return sharding.restore_model(path / "params", config, mesh, replicate,
-                                    name), tokenizer
-    with ocp.StandardCheckpointer() as checkpointer:
-      params = checkpointer.restore(path / "params")
-    expected = jax.eval_shape(lambda: Model.init(config, jax.random.key(0)))
-    shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
-    if shapes(params) != shapes(expected.params):
-      raise ValueError("the stored parameters do not match config.json")
-  except FileNotFoundError:
-    raise
-  except sharding.MeshError:
+    params = _restore_params(path, config, mesh, replicate, name)
+  except (FileNotFoundError, sharding.MeshError):
     raise
   except Exception as error:  # orbax, json and tokenizers raise many types.
     raise ValueError(
         f"the model at {path} is corrupt or incomplete ({type(error).__name__}:"
         f" {error}). Re-export or re-train it.") from error
+  if mesh is not None:
+    return sharding.place(config, params, mesh, replicate, name), tokenizer
   params = jax.tree.map(lambda x: jnp.asarray(x, config.dtype), params)
   return Model(config, params), tokenizer

@@ -10,6 +10,7 @@ its first L - 1 tokens; the last token is fed by the next step.
 """
 
 import dataclasses
+from typing import Callable
 
 import flax.struct
 import jax
@@ -17,9 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import rejection, sharding
-from spec_jax.drafting import Drafter
+from spec_jax.drafting import Drafter, DraftState
 from spec_jax.model import KVCache, Model
 from spec_jax.sampling import Sampling
+from spec_jax.stats import DecodeStats
+from spec_jax.verification import verify
 
 # Output slots past a row's end hold this value.
 PAD_ID = -1
@@ -32,78 +35,32 @@ class DecodeConfig:
   gamma: drafts per cycle (ignored by the autoregressive loop).
   max_new_tokens: the most tokens a row emits after its prompt.
   sampling: temperature, top-k and top-p, applied to p and q alike.
-  eos_id: a row stops after emitting it; None never stops early.
+  eos_id: a stop id, or several (chat models often have more than one); a
+    row stops after emitting any of them. None never stops early.
+  resample: the rejection rule, any function with `rejection.resample`'s
+    contract. The default is exact; tests pass a deliberately wrong one here
+    as a negative control.
   """
 
   gamma: int = 4
   max_new_tokens: int = 64
   sampling: Sampling = Sampling()
-  eos_id: int | None = None
+  eos_id: int | tuple[int, ...] | None = None
+  resample: Callable = rejection.resample
 
   def __post_init__(self):
     if self.gamma < 1:
       raise ValueError(f"gamma={self.gamma}: need at least one draft token.")
     if self.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1.")
-
-
-@flax.struct.dataclass
-class DecodeStats:
-  """Counters kept in the loop carry of speculative decoding.
-
-  A row-cycle is one cycle in which that row was still generating.
-  """
-
-  cycles: jax.Array  # [] loop iterations.
-  row_cycles: jax.Array  # [B] cycles each row took part in.
-  drafted: jax.Array  # [B] draft tokens proposed, verified or not.
-  accepted: jax.Array  # [B] draft tokens accepted.
-  accepted_per_position: jax.Array  # [G] rows that accepted draft i.
-  overlap_sum: jax.Array  # [B] sum over verified positions of sum_x min(p, q).
-  verified: jax.Array  # [B] verified positions: accepted + the rejected one.
-
-  @classmethod
-  def zeros(cls, batch_size: int, gamma: int) -> "DecodeStats":
-    row = jnp.zeros((batch_size,), jnp.int32)
-    return cls(
-        cycles=jnp.zeros((), jnp.int32), row_cycles=row, drafted=row,
-        accepted=row, accepted_per_position=jnp.zeros((gamma,), jnp.int32),
-        overlap_sum=jnp.zeros((batch_size,), jnp.float32), verified=row)
+    if self.eos_id is not None and not isinstance(self.eos_id, int):
+      object.__setattr__(self, "eos_id", tuple(int(i) for i in self.eos_id))
 
   @property
-  def acceptance_rate(self) -> jax.Array:
-    """Accepted over drafted tokens."""
-    return self.accepted.sum() / jnp.maximum(self.drafted.sum(), 1)
-
-  @property
-  def tokens_per_cycle(self) -> jax.Array:
-    """tau: accepted drafts plus the correction or bonus, per row-cycle.
-
-    Counts what each verify produced, before EOS or max_new_tokens cut the
-    last cycle short, which is the quantity (1 - a^(G+1)) / (1 - a) models.
-    """
-    row_cycles = self.row_cycles.sum()
-    return (self.accepted.sum() + row_cycles) / jnp.maximum(row_cycles, 1)
-
-  @property
-  def mean_overlap(self) -> jax.Array:
-    """Mean of sum_x min(p, q) over verified positions: the model's alpha."""
-    return self.overlap_sum.sum() / jnp.maximum(self.verified.sum(), 1)
-
-  def summary(self) -> dict:
-    """Host-side numbers for logs and JSON."""
-    return {
-        "cycles": int(self.cycles),
-        "row_cycles": int(self.row_cycles.sum()),
-        "drafted": int(self.drafted.sum()),
-        "accepted": int(self.accepted.sum()),
-        "acceptance_rate": float(self.acceptance_rate),
-        "tokens_per_cycle": float(self.tokens_per_cycle),
-        "mean_overlap": float(self.mean_overlap),
-        "verified": int(self.verified.sum()),
-        "overlap_sum": float(self.overlap_sum.sum()),
-        "accepted_per_position": [int(x) for x in self.accepted_per_position],
-    }
+  def stop_ids(self) -> tuple[int, ...]:
+    if self.eos_id is None:
+      return ()
+    return (self.eos_id,) if isinstance(self.eos_id, int) else self.eos_id
 
 
 @flax.struct.dataclass
@@ -121,37 +78,9 @@ class DecodeState:
   lengths: jax.Array  # [B] sequence lengths.
   done: jax.Array  # [B] bool, the row has finished.
   target_cache: KVCache
-  draft_state: object  # Whatever the drafter keeps, e.g. its KVCache.
+  draft_state: DraftState
   key: jax.Array
   stats: DecodeStats | None
-
-
-def verify(
-    target: Model,
-    cache: KVCache,
-    tokens: jax.Array,
-    lengths: jax.Array,
-    draft_tokens: jax.Array,
-    sampling: Sampling,
-) -> tuple[jax.Array, KVCache]:
-  """Scores [last, d_1..d_G] in one target pass.
-
-  Args:
-    target: the target model.
-    cache: valid for each row's first lengths - 1 positions.
-    tokens: [B, S] sequences, whose last tokens are at lengths - 1.
-    lengths: [B] sequence lengths.
-    draft_tokens: [B, G] drafts.
-    sampling: the transform that turns target logits into p.
-
-  Returns:
-    target_probs [B, G+1, V] float32, p_1..p_{G+1}, and the cache.
-  """
-  last = jnp.take_along_axis(tokens, lengths[:, None] - 1, 1)  # [B, 1]
-  inputs = jnp.concatenate([last, draft_tokens], axis=1)  # [B, G+1]
-  positions = lengths[:, None] - 1 + jnp.arange(inputs.shape[1])
-  logits, cache = target(inputs, cache, positions)
-  return sampling.probs(logits), cache
 
 
 def _emit(
@@ -170,8 +99,9 @@ def _emit(
   room = config.max_new_tokens - (state.lengths - prompt_lengths)
   count = jnp.minimum(num_new, room)
   hit_eos = jnp.zeros_like(state.done)
-  if config.eos_id is not None:
-    is_eos = (new_tokens == config.eos_id) & (slot < count[:, None])
+  if config.stop_ids:
+    is_eos = (jnp.isin(new_tokens, jnp.array(config.stop_ids))
+              & (slot < count[:, None]))
     hit_eos = is_eos.any(-1)
     count = jnp.where(hit_eos, jnp.argmax(is_eos, -1) + 1, count)
   count = jnp.where(state.done, 0, count)
@@ -208,50 +138,39 @@ def _speculative_step(
     config: DecodeConfig,
 ) -> DecodeState:
   """One propose -> verify -> resample cycle for every row."""
-  gamma, sampling = config.gamma, config.sampling
+  sampling = config.sampling
   key, propose_key, resample_key = jax.random.split(state.key, 3)
   with jax.named_scope("propose"):
-    draft_tokens, draft_probs, draft_state, target_cache = drafter.propose(
-        state.draft_state, state.target_cache, state.tokens, state.lengths,
-        propose_key, gamma, sampling)
+    proposal = drafter.propose(state.draft_state, state.target_cache,
+                               state.tokens, state.lengths, propose_key,
+                               config.gamma, sampling)
+  if proposal.parents is not None:
+    raise NotImplementedError(
+        "the decode loop runs chains; `verify` scores a tree proposal, and "
+        "its resampling and cache compaction are not in the loop yet.")
   with jax.named_scope("verify"):
-    target_probs, target_cache = verify(
-        target, target_cache, state.tokens, state.lengths, draft_tokens,
-        sampling)
+    verified = verify(target, proposal.target_cache, state.tokens,
+                      state.lengths, proposal.tokens, sampling,
+                      hidden_layers=drafter.target_layers)
   with jax.named_scope("resample"):
-    new_tokens, num_accepted = rejection.resample(
-        resample_key, draft_tokens, draft_probs, target_probs,
+    new_tokens, num_accepted = config.resample(
+        resample_key, proposal.tokens, proposal.probs, verified.probs,
         greedy=sampling.greedy)
   tokens, lengths, done = _emit(state, new_tokens, num_accepted + 1,
                                 prompt_lengths, config)
-
-  active = ~state.done
-  position = jnp.arange(gamma)
-  # [B, G]: positions with a draft (dynamic gamma and prompt lookup may
-  # propose fewer than gamma), and of those the accepted and the first
-  # rejected one.
-  proposed = active[:, None] & (rejection.draft_token_probs(
-      draft_tokens, draft_probs) > 0)
-  verified = proposed & (position <= num_accepted[:, None])
-  overlap = rejection.overlap(draft_probs, target_probs)  # [B, G]
-  stats = state.stats
-  stats = DecodeStats(
-      cycles=stats.cycles + 1,
-      row_cycles=stats.row_cycles + active,
-      drafted=stats.drafted + proposed.sum(-1),
-      accepted=stats.accepted + jnp.where(active, num_accepted, 0),
-      accepted_per_position=stats.accepted_per_position + jnp.sum(
-          active[:, None] & (position < num_accepted[:, None]), axis=0),
-      overlap_sum=stats.overlap_sum + jnp.sum(
-          jnp.where(verified, overlap, 0.0), axis=-1),
-      verified=stats.verified + verified.sum(-1),
-  )
+  stats = state.stats.record_cycle(
+      active=~state.done,
+      proposed=rejection.draft_token_probs(proposal.tokens,
+                                           proposal.probs) > 0,
+      num_accepted=num_accepted,
+      overlap=rejection.overlap(proposal.probs, verified.probs))
+  # Both caches keep every token but the last (see the module docstring).
   return DecodeState(
       tokens=tokens,
       lengths=lengths,
       done=done,
-      target_cache=target_cache.rollback(lengths - 1),
-      draft_state=drafter.rollback(draft_state, lengths),
+      target_cache=verified.cache.rollback(lengths - 1),
+      draft_state=drafter.update(proposal.state, lengths - 1, verified),
       key=key,
       stats=stats,
   )
@@ -336,27 +255,15 @@ def check_inputs(
     raise ValueError(
         f"prompt_lengths up to {prompt_lengths.max()} exceed the padded prompt "
         f"width {prompts.shape[1]}.")
-  if drafter is not None and drafter.vocab_size != target.vocab_size:
-    raise ValueError(
-        f"draft vocabulary ({drafter.vocab_size}) differs from the target's "
-        f"({target.vocab_size}); the draft and target must share a tokenizer.")
-  num_layers = getattr(drafter, "num_layers", None)
-  if num_layers is not None and not 1 <= num_layers < target.config.num_layers:
-    raise ValueError(
-        f"layer skip with num_layers={num_layers}: the draft must use between "
-        f"1 and {target.config.num_layers - 1} of the target's "
-        f"{target.config.num_layers} layers.")
-  models = [("target", target)]
-  if drafter is not None and isinstance(getattr(drafter, "model", None), Model):
-    models.append(("draft", drafter.model))
   needed = int(prompt_lengths.max()) + config.max_new_tokens
-  for name, model in models:
-    if needed > model.config.max_len:
-      raise ValueError(
-          f"a prompt of {prompt_lengths.max()} tokens plus max_new_tokens="
-          f"{config.max_new_tokens} needs {needed} positions, but the {name} "
-          f"model has max_len={model.config.max_len}; shorten the prompt or "
-          "lower max_new_tokens.")
+  if needed > target.config.max_len:
+    raise ValueError(
+        f"a prompt of {prompt_lengths.max()} tokens plus max_new_tokens="
+        f"{config.max_new_tokens} needs {needed} positions, but the target "
+        f"model has max_len={target.config.max_len}; shorten the prompt or "
+        "lower max_new_tokens.")
+  if drafter is not None:
+    drafter.validate(target, needed)
 
 
 def _place(key, prompts, prompt_lengths, mesh):
@@ -386,7 +293,8 @@ def generate(
     key: PRNG key; the same key and inputs give the same tokens.
     target: the target model.
     drafter: the source of drafts: `ModelDrafter(draft_model)`,
-      `LayerSkipDrafter(target, num_layers)` or `NgramDrafter(vocab_size)`.
+      `LayerSkipDrafter(target, num_layers)`, `NgramDrafter(vocab_size)`, or
+      any class that meets the contract of drafting.py.
     prompts: [B, P] int32 right-padded prompts (see `pad_prompts`).
     prompt_lengths: [B] int32 true prompt lengths, >= 1.
     config: gamma, max_new_tokens, sampling and EOS.
@@ -408,11 +316,13 @@ def generate_autoregressive(
 ) -> DecodeResult:
   """The baseline: one target step per token, in its own while_loop."""
   check_inputs(target, prompts, prompt_lengths, config)
-  # gamma plays no part here; fixing it lets a sweep over gamma compile the
+  # gamma and the rejection rule play no part here; fixing it lets a sweep over gamma compile the
   # baseline once.
   key, prompts, prompt_lengths = _place(key, prompts, prompt_lengths, mesh)
   return generate_autoregressive_jit(key, target, prompts, prompt_lengths,
-                                     dataclasses.replace(config, gamma=1))
+                                     dataclasses.replace(
+                                         config, gamma=1,
+                                         resample=rejection.resample))
 
 
 def pad_prompts(prompts, multiple: int = 16,

@@ -1,12 +1,17 @@
-"""Drafters: where the gamma proposals and their laws q come from.
+"""The drafter contract, and autoregressive drafting from a draft model.
 
-The decode loop talks to a drafter through three methods, so a new drafter is a
-new class and the loop does not change:
+The decode loop talks to a drafter through this contract, so a new drafter is
+a new class (drafters.py has three) and the loop does not change:
 
+  validate(target, max_len)   raises ValueError, before compiling, if it
+                              cannot draft for this target and cache size;
+  describe() -> str           one line for logs and results files;
+  target_layers               the target blocks whose hidden states it reads
+                              from `verify` (() for none);
   prefill(prompts, prompt_lengths, max_len) -> state
   propose(state, target_cache, tokens, lengths, key, gamma, sampling)
-      -> draft_tokens [B, G], draft_probs [B, G, V], state, target_cache
-  rollback(state, lengths) -> state
+      -> Proposal
+  update(state, cache_lengths, verified) -> state
 
 `tokens` [B, S] is every row's whole sequence so far (prompt and output) and
 `lengths` [B] its length, so a drafter may read any of the context (prompt
@@ -17,15 +22,12 @@ A position whose q is all zero proposes nothing (see rejection.py), which is
 how a row drafts fewer than gamma tokens. A drafter is a pytree: parameters
 are leaves, settings static metadata, so it passes through `jax.jit`.
 
-Three drafters:
-  ModelDrafter      a small model with its own KV cache;
-  LayerSkipDrafter  the target's first k layers, sharing the target's cache;
-  NgramDrafter      prompt lookup: copies what followed the last n tokens
-                    earlier in the row's own context; no model, q one-hot.
-The model-based two take `confidence_threshold` for dynamic gamma.
+One convention for rolling back, the cache's: `cache_lengths` [B] counts the
+valid cache slots, which in the decode loops is each row's sequence length
+minus one (every token but the last, which the next step feeds).
 """
 
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import flax.struct
 import jax
@@ -34,6 +36,45 @@ import jax.numpy as jnp
 from spec_jax.model import KVCache, Model
 from spec_jax.sampling import Sampling
 
+# Whatever pytree a drafter keeps between cycles: its own KVCache, or None.
+DraftState = Any
+
+
+@flax.struct.dataclass
+class Proposal:
+  """What a drafter proposes in one cycle.
+
+  tokens: [B, N] int32 draft tokens.
+  probs: [B, N, V] float32, the q each was drawn from; all zero where a row
+    proposes nothing.
+  state: the drafter's state after drafting.
+  target_cache: the target's cache, as the drafter leaves it.
+  parents: None for a chain (node i follows node i - 1). For a tree, [B, N]
+    int32: node i's parent node, or -1 when it follows the context's last
+    token; parents[b, i] < i. `verify` scores either in one pass.
+  """
+
+  tokens: jax.Array
+  probs: jax.Array
+  state: DraftState
+  target_cache: KVCache
+  parents: jax.Array | None = None
+
+
+@flax.struct.dataclass
+class VerifyOutput:
+  """What the target computed in one verify pass over [last, d_1..d_N].
+
+  probs: [B, N+1, V] float32 target laws p_1..p_{N+1}.
+  cache: the target's cache, written for the N+1 tokens.
+  hidden: the inputs of the blocks a drafter asked for (`target_layers`),
+    each [B, N+1, D], at the same positions.
+  """
+
+  probs: jax.Array
+  cache: KVCache
+  hidden: tuple[jax.Array, ...] = ()
+
 
 class Drafter(Protocol):
   """What the decode loop needs from a source of draft tokens."""
@@ -41,12 +82,27 @@ class Drafter(Protocol):
   @property
   def vocab_size(self) -> int: ...
 
-  def prefill(self, prompts, prompt_lengths, max_len): ...
+  @property
+  def target_layers(self) -> tuple[int, ...]: ...
+
+  def validate(self, target: Model, max_len: int) -> None: ...
+
+  def describe(self) -> str: ...
+
+  def prefill(self, prompts, prompt_lengths, max_len) -> DraftState: ...
 
   def propose(self, state, target_cache, tokens, lengths, key, gamma,
-              sampling): ...
+              sampling) -> Proposal: ...
 
-  def rollback(self, state, lengths): ...
+  def update(self, state, cache_lengths,
+             verified: VerifyOutput | None) -> DraftState: ...
+
+
+def check_vocabulary(vocab_size: int, target: Model) -> None:
+  if vocab_size != target.vocab_size:
+    raise ValueError(
+        f"draft vocabulary ({vocab_size}) differs from the target's "
+        f"({target.vocab_size}); the draft and target must share a tokenizer.")
 
 
 # (tokens [B, T], cache, positions [B, T] | None) -> (logits [B, T, V], cache)
@@ -137,132 +193,3 @@ def propose(
   draft_tokens, draft_probs = draw(step, logits, draft_tokens, draft_probs,
                                    drafting)
   return draft_tokens, draft_probs, cache
-
-
-@flax.struct.dataclass
-class ModelDrafter:
-  """A small autoregressive draft model with its own KV cache."""
-
-  model: Model
-  confidence_threshold: float = flax.struct.field(pytree_node=False,
-                                                  default=0.0)
-
-  @property
-  def vocab_size(self) -> int:
-    return self.model.vocab_size
-
-  def prefill(self, prompts, prompt_lengths, max_len) -> KVCache:
-    return self.model.prefill(prompts, prompt_lengths, max_len)
-
-  def propose(self, state, target_cache, tokens, lengths, key, gamma,
-              sampling):
-    draft_tokens, draft_probs, state = propose(
-        self.model, state, tokens, lengths, key, gamma, sampling,
-        self.confidence_threshold)
-    return draft_tokens, draft_probs, state, target_cache
-
-  def rollback(self, state: KVCache, lengths) -> KVCache:
-    return state.rollback(lengths - 1)
-
-
-@flax.struct.dataclass
-class LayerSkipDrafter:
-  """Self-speculation: the target's first num_layers layers, then its final
-  norm and head (Draft & Verify, Zhang et al. 2023; LayerSkip, Elhoushi et al.
-  2024). It shares the target's weights and its cache: the draft's keys and
-  values in those layers are the target's own, so no second cache is kept.
-  """
-
-  target: Model
-  num_layers: int = flax.struct.field(pytree_node=False)
-  confidence_threshold: float = flax.struct.field(pytree_node=False,
-                                                  default=0.0)
-
-  @property
-  def vocab_size(self) -> int:
-    return self.target.vocab_size
-
-  def prefill(self, prompts, prompt_lengths, max_len) -> None:
-    return None  # the target's prefill already filled the shared layers
-
-  def propose(self, state, target_cache, tokens, lengths, key, gamma,
-              sampling):
-    draft = lambda tokens, cache, positions=None: self.target(
-        tokens, cache, positions, num_layers=self.num_layers)
-    draft_tokens, draft_probs, target_cache = propose(
-        draft, target_cache, tokens, lengths, key, gamma, sampling,
-        self.confidence_threshold, feed_previous=False)
-    return draft_tokens, draft_probs, state, target_cache
-
-  def rollback(self, state, lengths) -> None:
-    return state
-
-
-def prompt_lookup(tokens: jax.Array, lengths: jax.Array, gamma: int,
-                  max_n: int, min_n: int) -> tuple[jax.Array, jax.Array]:
-  """The gamma tokens that followed the latest earlier copy of the last n.
-
-  Tries n = max_n down to min_n and keeps the longest n that matches. An
-  earlier copy must end before the last token, so at least one token of what
-  followed it is known. For tokens "a b c x a b" and n = 2, the copy of "a b"
-  at 0..1 was followed by "c x a b", so gamma = 3 proposes "c x a".
-
-  Args:
-    tokens: [B, S] int32 sequences.
-    lengths: [B] int32 sequence lengths.
-
-  Returns:
-    draft_tokens [B, G] int32 and proposed [B, G] bool, False where a row has
-    no match or the continuation runs past the row's end.
-  """
-  batch_size, width = tokens.shape
-  starts = jnp.arange(width)
-  continuation = jnp.full((batch_size,), -1, jnp.int32)  # -1: no match yet
-  for n in range(max_n, min_n - 1, -1):
-    suffix = jnp.take_along_axis(
-        tokens, jnp.maximum(lengths[:, None] - n + jnp.arange(n), 0), 1)
-    # match[b, j]: tokens[b, j:j+n] == suffix[b], with j + n < lengths[b].
-    match = (starts + n < lengths[:, None]) & (lengths[:, None] > n)
-    for i in range(n):
-      shifted = jnp.pad(tokens[:, i:], ((0, 0), (0, i)))  # [b, j] = t[j + i]
-      match &= shifted == suffix[:, i:i + 1]
-    latest = jnp.max(jnp.where(match, starts, -1), axis=-1)
-    continuation = jnp.where((continuation < 0) & (latest >= 0), latest + n,
-                             continuation)
-  index = continuation[:, None] + jnp.arange(gamma)  # [B, G]
-  proposed = (continuation[:, None] >= 0) & (index < lengths[:, None])
-  draft_tokens = jnp.take_along_axis(tokens, jnp.clip(index, 0, width - 1), 1)
-  return jnp.where(proposed, draft_tokens, 0), proposed
-
-
-@flax.struct.dataclass
-class NgramDrafter:
-  """Prompt lookup decoding (Saxena 2023): no draft model and no cache.
-
-  The proposal is deterministic, so q is one-hot at each proposed token and
-  all zero where nothing is proposed; `resample` stays exact with it.
-  """
-
-  vocab_size: int = flax.struct.field(pytree_node=False)
-  max_n: int = flax.struct.field(pytree_node=False, default=3)
-  min_n: int = flax.struct.field(pytree_node=False, default=1)
-
-  def __post_init__(self):
-    if not 1 <= self.min_n <= self.max_n:
-      raise ValueError(f"n-gram sizes min_n={self.min_n}, max_n={self.max_n}:"
-                       " need 1 <= min_n <= max_n.")
-
-  def prefill(self, prompts, prompt_lengths, max_len) -> None:
-    return None
-
-  def propose(self, state, target_cache, tokens, lengths, key, gamma,
-              sampling):
-    del key, sampling  # q is one-hot whatever the sampling
-    draft_tokens, proposed = prompt_lookup(tokens, lengths, gamma, self.max_n,
-                                           self.min_n)
-    draft_probs = jax.nn.one_hot(draft_tokens, self.vocab_size) * proposed[
-        ..., None]
-    return draft_tokens, draft_probs, state, target_cache
-
-  def rollback(self, state, lengths) -> None:
-    return state

@@ -14,10 +14,8 @@ transpose of ours.
 import contextlib
 import dataclasses
 import json
-import os
 import pathlib
 import re
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +23,7 @@ import numpy as np
 import safetensors.flax
 import tokenizers
 
-from spec_jax import data, sharding
+from spec_jax import files, pretrained, sharding
 from spec_jax.model import Model, RopeScaling, TransformerConfig
 
 FAMILIES = ("gpt2", "llama", "qwen2")
@@ -378,23 +376,17 @@ def save_hf(path, model: Model, tokenizer: tokenizers.Tokenizer,
   """
   hf = config_to_hf(model.config)
   if eos_id is None:
-    eos_id = tokenizer.token_to_id(data.EOS)
+    eos_id = tokenizer.token_to_id(pretrained.EOS)
   hf.update(bos_token_id=eos_id, eos_token_id=eos_id)
-  path = pathlib.Path(path).absolute()
-  staging = path.with_name(path.name + ".partial")
-  shutil.rmtree(staging, ignore_errors=True)
-  staging.mkdir(parents=True)
-  (staging / "config.json").write_text(json.dumps(hf, indent=2))
-  (staging / "generation_config.json").write_text(json.dumps(
-      {"bos_token_id": eos_id, "eos_token_id": eos_id}, indent=2))
   eos_token = tokenizer.id_to_token(eos_id) if eos_id is not None else None
-  (staging / "tokenizer_config.json").write_text(json.dumps(
-      {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token,
-       "bos_token": eos_token}, indent=2))
-  tokenizer.save(str(staging / "tokenizer.json"))
-  safetensors.flax.save_file(params_to_hf(model.params, model.config),
-                              str(staging / "model.safetensors"),
-                              metadata={"format": "pt"})
-  if path.exists():
-    shutil.rmtree(path)
-  os.replace(staging, path)
+  with files.atomic_directory(path) as staging:
+    (staging / "config.json").write_text(json.dumps(hf, indent=2))
+    (staging / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": eos_id, "eos_token_id": eos_id}, indent=2))
+    (staging / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token,
+         "bos_token": eos_token}, indent=2))
+    tokenizer.save(str(staging / "tokenizer.json"))
+    safetensors.flax.save_file(params_to_hf(model.params, model.config),
+                                str(staging / "model.safetensors"),
+                                metadata={"format": "pt"})

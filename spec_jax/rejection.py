@@ -19,6 +19,8 @@ d is accepted with probability p_i(d), and the correction is p_i with d
 removed and renormalised.
 """
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -71,6 +73,7 @@ def resample(
     target_probs: jax.Array,
     *,
     greedy: bool = False,
+    correction: Callable[[jax.Array, jax.Array], jax.Array] = correction_probs,
 ) -> tuple[jax.Array, jax.Array]:
   """Accepts a prefix of the drafts and appends one correction or bonus token.
 
@@ -81,6 +84,9 @@ def resample(
       all zero where a row proposes nothing.
     target_probs: [B, G+1, V] float32, p_1..p_{G+1}.
     greedy: temperature 0: accept while d_i == argmax p_i, then emit argmax.
+    correction: (draft_probs, target_probs) -> [B, G+1, V], the law of the
+      emitted token after i accepted drafts. Exact only as
+      `correction_probs`; a negative control passes a wrong one.
 
   Returns:
     tokens [B, G+1] int32 and num_accepted [B] int32 in [0, G]. With
@@ -105,7 +111,7 @@ def resample(
     next_token = jnp.take_along_axis(target_argmax, num_accepted[:, None], 1)
   else:
     next_probs = jnp.take_along_axis(
-        correction_probs(draft_probs, target_probs),
+        correction(draft_probs, target_probs),
         num_accepted[:, None, None], axis=1)  # [B, 1, V]
     next_token = sampling.categorical(key, next_probs)
   position = jnp.arange(gamma + 1)

@@ -23,17 +23,18 @@ every process's devices, and arrays are global.
 """
 
 import dataclasses
+import logging
 import re
 
-from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spec_jax.model import KVCache, Model, TransformerConfig
+
+_log = logging.getLogger(__name__)
 
 DATA, MODEL = "data", "model"
 
@@ -176,7 +177,7 @@ def plan_config(config: TransformerConfig, mesh: Mesh, replicate: bool = False,
   group = config.num_heads // config.num_kv_heads
   num_kv_heads = -(-config.num_kv_heads // shards) * shards
   if num_kv_heads != config.num_kv_heads:
-    logging.warning("%s: %d key/value heads padded with zero heads to %d, a "
+    _log.warning("%s: %d key/value heads padded with zero heads to %d, a "
                     "multiple of the mesh model axis (%d); the outputs are "
                     "unchanged.", name, config.num_kv_heads, num_kv_heads,
                     shards)
@@ -254,21 +255,28 @@ def _stored_shardings(config: TransformerConfig, mesh: Mesh, replicate: bool):
                               param_shardings(stored, mesh, replicate))
 
 
-def restore_model(path, config: TransformerConfig, mesh: Mesh,
-                  replicate: bool = False, name: str = "model") -> Model:
-  """Orbax restores the params at `path` straight into their shardings.
+def restore_targets(config: TransformerConfig, mesh: Mesh,
+                    replicate: bool = False, name: str = "model"):
+  """Abstract params (ShapeDtypeStructs with shardings) for a checkpoint
+  reader to restore `config`'s stored params into, each device reading only
+  its shards. `place` then lays them out for the mesh.
 
-  Orbax reads each array into the stored layout's shardings, then one jit
-  pads and reorders into the planned layout's shardings.
+  Raises MeshError, before anything is read, for a mesh the model cannot use.
   """
-  planned = plan_config(config, mesh, replicate, name)
+  plan_config(config, mesh, replicate, name)
   stored, shardings = _stored_shardings(config, mesh, replicate)
-  targets = jax.tree.map(
+  return jax.tree.map(
       lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, config.dtype,
                                                   sharding=sharding),
       stored, shardings)
-  with ocp.StandardCheckpointer() as checkpointer:
-    params = checkpointer.restore(path, targets)
+
+
+def place(config: TransformerConfig, params, mesh: Mesh,
+          replicate: bool = False, name: str = "model") -> Model:
+  """A model from params in `config`'s layout already on the mesh (read
+  into `restore_targets`' shardings): one jit pads heads and reorders qkv
+  rows into the planned layout's shardings."""
+  planned = plan_config(config, mesh, replicate, name)
   return _sharded(config, planned, mesh, replicate, lambda p: p, params)
 
 
@@ -276,10 +284,9 @@ def shard_model(model: Model, mesh: Mesh, replicate: bool = False,
                 name: str = "model") -> Model:
   """A model whose params are in host memory (e.g. read from safetensors)
   moved into its shardings: each device receives only its shards."""
-  planned = plan_config(model.config, mesh, replicate, name)
   _, shardings = _stored_shardings(model.config, mesh, replicate)
-  params = jax.device_put(model.params, shardings)
-  return _sharded(model.config, planned, mesh, replicate, lambda p: p, params)
+  return place(model.config, jax.device_put(model.params, shardings), mesh,
+               replicate, name)
 
 
 def check_batch(batch_size: int, mesh: Mesh) -> None:

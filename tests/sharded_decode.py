@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 import spec_jax as sj
-from spec_jax import checkpoint, decoding, evaluation, sharding
+from spec_jax import checkpoint, decoding, pretrained, sharding
 
 TEXTS = ["def main(argv):\n", "import os\nimport sys\n", "class Foo(object):",
          "    return self.", "for i in range(", "# Copyright 2001", "x = [",
@@ -65,9 +65,9 @@ def main():
 
   def load(mesh=None):
     target, tokenizer = checkpoint.load_model(
-        evaluation.resolve("pretrained/target"), mesh, name="target")
+        pretrained.resolve("pretrained/target"), mesh, name="target")
     draft, _ = checkpoint.load_model(
-        evaluation.resolve("pretrained/draft"), mesh, name="draft")
+        pretrained.resolve("pretrained/draft"), mesh, name="draft")
     return target, draft, tokenizer
 
   target, draft, tokenizer = load()

@@ -1,6 +1,7 @@
 """Training, checkpoints and the experiment entry points, on tiny settings."""
 
 import json
+import logging
 import pathlib
 import subprocess
 import sys
@@ -11,8 +12,11 @@ import optax
 import pytest
 
 import spec_jax as sj
-from spec_jax import checkpoint, evaluation, records, training
+from experiments.harness import compare, exactness, loading, records, train
+from spec_jax import checkpoint, training
+from configs import gamma_sweep as sweep_configs
 from configs import quickstart as quickstart_configs
+from experiments.harness import config as config_lib
 from configs import train as train_configs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -32,13 +36,13 @@ def tiny_models(tmp_path_factory):
   """(target dir, draft dir) trained for a few steps on the tiny corpus."""
   root = tmp_path_factory.mktemp("models")
   # Two layers, so that layer skip has one to skip.
-  training.train(tiny_train_config(model=dict(
+  train.train(tiny_train_config(model=dict(
       d_model=32, num_layers=2, num_heads=2, d_ff=64, max_len=128)),
-                 root / "target")
+              root / "target")
   draft_config = tiny_train_config(
       tokenizer=str(root / "target" / "model"), seed=1,
       model=dict(d_model=16, num_layers=1, num_heads=2, d_ff=32, max_len=128))
-  training.train(draft_config, root / "draft")
+  train.train(draft_config, root / "draft")
   return root / "target" / "model", root / "draft" / "model"
 
 
@@ -49,7 +53,7 @@ def test_one_training_step_lowers_the_loss():
       max_len=32), jax.random.key(0))
   windows = jax.random.randint(jax.random.key(1), (4, 17), 0, 50)
   config.warmup_steps = 0
-  optimizer = training.make_optimizer(config)
+  optimizer = train.make_optimizer(config)
   loss_fn = lambda params: training.cross_entropy(
       model.replace(params=params), windows)
   loss, grads = jax.value_and_grad(loss_fn)(model.params)
@@ -58,11 +62,12 @@ def test_one_training_step_lowers_the_loss():
   assert loss_fn(optax.apply_updates(model.params, updates)) < loss
 
 
-def test_training_resumes_after_interruption(tmp_path, capsys):
-  training.train(tiny_train_config(num_steps=10), tmp_path)
-  capsys.readouterr()
-  training.train(tiny_train_config(num_steps=20), tmp_path)
-  out = capsys.readouterr().out
+def test_training_resumes_after_interruption(tmp_path, caplog):
+  caplog.set_level(logging.INFO, logger="experiments")
+  train.train(tiny_train_config(num_steps=10), tmp_path)
+  caplog.clear()
+  train.train(tiny_train_config(num_steps=20), tmp_path)
+  out = caplog.text
   assert "resumed from step 10" in out
   assert "step 20/20" in out and "bits per token" in out
 
@@ -91,9 +96,9 @@ def test_missing_and_corrupt_checkpoints_raise(tiny_models, tmp_path):
 
 
 def test_pair_with_different_tokenizers_is_refused(tiny_models, tmp_path):
-  training.train(tiny_train_config(vocab_size=280, num_steps=2), tmp_path)
+  train.train(tiny_train_config(vocab_size=280, num_steps=2), tmp_path)
   with pytest.raises(ValueError, match="different tokenizers"):
-    evaluation.load_pair(str(tiny_models[0]), str(tmp_path / "model"))
+    loading.load_pair(str(tiny_models[0]), str(tmp_path / "model"))
 
 
 def test_unwritable_workdir_is_refused(tmp_path):
@@ -157,18 +162,18 @@ def test_two_sample_test_detects_a_different_law():
   a = rng.choice(4, size=(5000, 2), p=[0.4, 0.3, 0.2, 0.1])
   same = rng.choice(4, size=(5000, 2), p=[0.4, 0.3, 0.2, 0.1])
   other = rng.choice(4, size=(5000, 2), p=[0.3, 0.3, 0.3, 0.1])
-  assert min(evaluation.two_sample_p_values(a, same)) > 1e-3
-  assert max(evaluation.two_sample_p_values(a, other)) < 1e-6
+  assert min(exactness.two_sample_p_values(a, same)) > 1e-3
+  assert max(exactness.two_sample_p_values(a, other)) < 1e-6
 
 
 def test_builtin_pair_loads_and_greedy_sd_equals_ar():
   config = quickstart_configs.get_config("runlocal")
   config.max_new_tokens = 24
-  config.temperature = "0"
-  target, drafter, tokenizer = evaluation.load_models(config)
-  prompts = evaluation.load_prompts(config, tokenizer)
+  config.temperatures = (0.0,)
+  loaded = loading.load_models(config)
+  prompts = loading.load_prompts(config, loaded.target.tokenizer)
   assert len(prompts) == config.num_prompts
-  (run,) = evaluation.compare(config, target, drafter, tokenizer, prompts)
+  (run,) = compare.compare(config, loaded, prompts)
   for sample in run["samples"]:
     assert sample["sd_tokens"] == sample["ar_tokens"]
     assert len(sample["sd_tokens"]) > 0
@@ -188,9 +193,9 @@ def test_gamma_sweep_smoke_run_writes_json_csv_and_plots(tiny_models, tmp_path):
       "experiments.gamma_sweep", "--config=configs/gamma_sweep.py:runlocal",
       f"--workdir={tmp_path}", f"--config.target={target}",
       f"--config.draft={draft}", f"--config.corpus={CORPUS}",
-      "--config.temperature=0", "--config.prompt_tokens=8")
+      "--config.temperatures=0", "--config.prompt_tokens=8")
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "[2/2] T=0 gamma= 2" in result.stdout  # progress per row
+  assert "[2/2] T=0 gamma= 2" in result.stderr  # progress per row
   sweep = json.loads((tmp_path / "sweep.json").read_text())
   assert {"code_version", "config", "rows", "best_gamma_measured",
           "best_gamma_predicted"} <= set(sweep)
@@ -224,7 +229,7 @@ def test_compare_drafters_smoke_run(tiny_models, tmp_path):
       "--config=configs/compare_drafters.py:runlocal", f"--workdir={tmp_path}",
       f"--config.target={target}", f"--config.draft={draft}",
       f"--config.corpus={CORPUS}", "--config.prompt_tokens=8",
-      "--config.temperature=0", "--config.variants.layer_skip.layer_skip."
+      "--config.temperatures=0", "--config.variants.layer_skip.layer_skip."
       "num_layers=1")
   assert result.returncode == 0, result.stderr[-3000:]
   rows = json.loads((tmp_path / "drafters.json").read_text())["rows"]
@@ -232,6 +237,18 @@ def test_compare_drafters_smoke_run(tiny_models, tmp_path):
   for row in rows:
     assert row["tokens_per_cycle"] >= 1 and row["speedup"] > 0
   assert (tmp_path / "drafters.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_renamed_field_says_the_new_spelling(tmp_path):
+  result = run_module("experiments.run", "--config=configs/quickstart.py",
+                      f"--workdir={tmp_path}", "--config.temperature=0")
+  assert result.returncode != 0 and '"temperatures"' in result.stderr
+
+
+def test_old_gamma_range_string_still_works():
+  config = sweep_configs.get_config()
+  config.gammas = ("1-3",)  # what --config.gammas=1-3 gives a tuple field
+  assert config_lib.gammas(config) == (1, 2, 3)
 
 
 def test_unknown_drafter_is_refused(tmp_path):

@@ -10,7 +10,8 @@ import pytest
 import safetensors.flax
 
 import spec_jax as sj
-from spec_jax import checkpoint, evaluation, hf, sharding
+from experiments.harness import loading
+from spec_jax import checkpoint, hf, pretrained, sharding
 
 LLAMA_NEW_STYLE = {
     "model_type": "llama", "vocab_size": 512, "hidden_size": 96,
@@ -73,7 +74,7 @@ def test_rope_gqa_incremental_decoding_matches_full_scoring():
 def test_export_then_import_is_exact_with_sharded_weights(tmp_path):
   """The built-in draft, exported and re-read, from one file and from two
   shards, gives the same parameters; its EOS id travels with it."""
-  draft, tokenizer = checkpoint.load_model(evaluation.PRETRAINED / "draft")
+  draft, tokenizer = checkpoint.load_model(pretrained.ROOT / "draft")
   hf.save_hf(tmp_path / "one", draft, tokenizer)
   bundle = sj.load_hf(tmp_path / "one")
   assert bundle.model.config == draft.config
@@ -101,7 +102,7 @@ def test_export_then_import_is_exact_with_sharded_weights(tmp_path):
 
 
 def test_missing_tensors_are_named(tmp_path):
-  draft, tokenizer = checkpoint.load_model(evaluation.PRETRAINED / "draft")
+  draft, tokenizer = checkpoint.load_model(pretrained.ROOT / "draft")
   hf.save_hf(tmp_path, draft, tokenizer)
   tensors = safetensors.flax.load_file(str(tmp_path / "model.safetensors"))
   del tensors["h.1.mlp.c_fc.bias"]
@@ -119,18 +120,18 @@ def test_hub_name_without_huggingface_hub_says_pass_a_folder(monkeypatch):
 
 
 def test_main_job_refuses_a_draft_of_another_vocabulary(tmp_path):
-  _, tokenizer = checkpoint.load_model(evaluation.PRETRAINED / "draft")
+  _, tokenizer = checkpoint.load_model(pretrained.ROOT / "draft")
   other = sj.Model.init(sj.TransformerConfig(
       vocab_size=256, d_model=16, num_layers=1, num_heads=2, d_ff=32,
       max_len=64), jax.random.key(0))
   hf.save_hf(tmp_path / "draft", other, tokenizer)
   with pytest.raises(ValueError, match="one vocabulary"):
-    evaluation.load_pair("pretrained/draft", f"hf:{tmp_path / 'draft'}")
+    loading.load_pair("pretrained/draft", f"hf:{tmp_path / 'draft'}")
 
 
 def test_load_hf_with_a_mesh_places_params_in_their_shardings(tmp_path):
   draft, tokenizer = checkpoint.load_model(
-      evaluation.resolve("pretrained/draft"))
+      pretrained.resolve("pretrained/draft"))
   hf.save_hf(tmp_path, draft, tokenizer)
   mesh = sharding.make_mesh(sharding.MeshConfig(), jax.devices()[:1])
   loaded = hf.load_hf(tmp_path, mesh=mesh).model

@@ -19,9 +19,10 @@ transformers = pytest.importorskip(
     "-e '.[hf]'")
 
 import spec_jax as sj
-from spec_jax import checkpoint, evaluation, hf
+from experiments.harness import loading
+from spec_jax import checkpoint, hf, pretrained
 
-TOKENIZER = evaluation.PRETRAINED / "target" / "tokenizer.json"
+TOKENIZER = pretrained.ROOT / "target" / "tokenizer.json"
 VOCAB = 512
 # Tiny models with the features of real ones: 6 query heads sharing 2
 # key/value heads (3 per group), Llama-3 rope scaling that touches all three
@@ -128,8 +129,8 @@ def test_speculative_greedy_matches_transformers(tmp_path):
     torch_model.save_pretrained(tmp_path / name)
     shutil.copy(TOKENIZER, tmp_path / name / "tokenizer.json")
     folders[name] = tmp_path / name
-  target, draft, _ = evaluation.load_pair(f"hf:{folders['llama']}",
-                                          f"hf:{folders['gpt2']}")
+  target, draft = (bundle.model for bundle in loading.load_pair(
+      f"hf:{folders['llama']}", f"hf:{folders['gpt2']}"))
   prompt = TOKENS[1, :12].tolist()
   prompts, lengths = sj.pad_prompts([prompt])
   result = sj.generate(jax.random.key(0), target, sj.ModelDrafter(draft),
@@ -143,7 +144,7 @@ def test_speculative_greedy_matches_transformers(tmp_path):
 def test_export_round_trip_matches_transformers(tmp_path):
   """The built-in draft, exported to HF format, gives the same logits in
   transformers; a Llama-family spec_jax model too."""
-  draft, tokenizer = checkpoint.load_model(evaluation.PRETRAINED / "draft")
+  draft, tokenizer = checkpoint.load_model(pretrained.ROOT / "draft")
   llama = sj.Model.init(sj.TransformerConfig(
       vocab_size=VOCAB, d_model=96, num_layers=2, num_heads=6, num_kv_heads=2,
       d_ff=160, max_len=128, norm="rms", position="rope", mlp="swiglu",
@@ -161,7 +162,7 @@ def test_export_round_trip_matches_transformers(tmp_path):
 @pytest.mark.slow
 def test_compare_hf_benchmark_runs(tmp_path):
   from configs import compare_hf as compare_hf_configs
-  from spec_jax import hf_compare
+  from experiments.harness import hf_compare
   report = hf_compare.compare(compare_hf_configs.get_config("runlocal"),
                               tmp_path)
   greedy = report["rows"][0]

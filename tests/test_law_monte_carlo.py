@@ -23,7 +23,7 @@ import pytest
 from scipy import stats
 
 import spec_jax as sj
-from spec_jax import decoding, rejection
+from spec_jax import decoding
 from conftest import tiny_pair
 
 VOCAB = 8
@@ -144,23 +144,19 @@ def test_autoregressive_samples_follow_target_law(pair8):
 
 
 @pytest.mark.parametrize("name", ["model", "ngram"])
-def test_negative_control_wrong_correction_is_rejected(pair8, monkeypatch,
-                                                       name):
+def test_negative_control_wrong_correction_is_rejected(pair8, name):
   target, draft = pair8
   drafter = (sj.ModelDrafter(draft) if name == "model"
              else other_drafters(target, draft)[name])
   prompt = PROMPT if name == "model" else REPEATING_PROMPT
   sampling = sj.Sampling(temperature=1.0)
-  # Draw the correction from p instead of the residual, through the real loop.
-  monkeypatch.setattr(rejection, "correction_probs", lambda q, p: p)
-
-  # A new function object, so that no trace cached from the correct loop is
-  # reused.
-  @functools.partial(jax.jit, static_argnames="config")
-  def wrong_generate(key, target, drafter, prompts, lengths, config):
-    return decoding._generate(key, target, drafter, prompts, lengths, config)
-
-  decode = speculative(target, drafter, 2, sampling, wrong_generate)
+  # Draw the correction from p instead of the residual, through the real
+  # loop: the rejection rule is a public setting of the decode.
+  wrong = functools.partial(sj.resample, correction=lambda q, p: p)
+  config = decoding.DecodeConfig(gamma=2, max_new_tokens=NUM_NEW,
+                                 sampling=sampling, resample=wrong)
+  decode = lambda key, prompts, lengths: sj.generate(
+      key, target, drafter, prompts, lengths, config).tokens
   p_value = chi_square_p_value(sampled_counts(decode, seed=2, prompt=prompt),
                                exact_law(target, sampling, prompt))
   assert p_value < SIGNIFICANCE, p_value

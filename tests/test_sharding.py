@@ -20,7 +20,8 @@ import pytest
 from jax.sharding import AbstractMesh
 
 import spec_jax as sj
-from spec_jax import data, evaluation, sharding
+from experiments.harness import compare, loading
+from spec_jax import pretrained, sharding
 from configs import quickstart as quickstart_configs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -116,7 +117,7 @@ def test_batch_the_data_axis_does_not_divide_is_refused():
   config = quickstart_configs.get_config("runlocal")
   config.batch_size = 3
   with pytest.raises(sharding.MeshError, match="batch size 3"):
-    evaluation.compare(config, None, None, None, [], abstract_mesh(2, 1))
+    compare.compare(config, None, [], abstract_mesh(2, 1))
 
 
 def run_with_8_devices(*flags, timeout=600):
@@ -212,14 +213,15 @@ def test_two_processes_give_the_single_process_tokens(tmp_path):
 
   # The single-process answer: greedy decoding on one device.
   config = quickstart_configs.get_config("runlocal")
-  target, _, tokenizer = evaluation.load_pair(config.target, config.draft)
-  prompts = evaluation.load_prompts(config, tokenizer)
+  target, _ = loading.load_pair(config.target, config.draft)
+  target, tokenizer = target.model, target.tokenizer
+  prompts = loading.load_prompts(config, tokenizer)
   ids, lengths = sj.pad_prompts([tokenizer.encode(p).ids for p in prompts])
   one = sj.generate_autoregressive(
       jax.random.key(0), target, ids, lengths,
       sj.DecodeConfig(max_new_tokens=config.max_new_tokens,
                       sampling=sj.Sampling(temperature=0.0),
-                      eos_id=tokenizer.token_to_id(data.EOS)))
+                      eos_id=tokenizer.token_to_id(pretrained.EOS)))
   (run,) = results["runs"]
   for sample, tokens, n in zip(run["samples"], np.asarray(one.tokens),
                                np.asarray(one.num_tokens)):

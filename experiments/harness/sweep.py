@@ -1,9 +1,9 @@
 """The gamma ablation: measured speedup and tau against the theory, per gamma.
 
 For every (temperature, gamma) the sweep runs AR and SD side by side on the
-same prompts (`evaluation.compare`), times the loop's components inside jitted
-loops between those runs' batches (`benchmark.ComponentTimer`), and sets the
-measurements beside what they predict:
+same prompts (`compare.compare_at`), times the loop's components inside jitted
+loops between those runs' batches (`timing.CycleTimer`, `timing.TargetTimer`),
+and sets the measurements beside what they predict:
 
   * tau measured vs tau from the i.i.d. formula at the measured alpha;
   * speedup measured vs speedup predicted by pricing the work the runs did
@@ -20,30 +20,18 @@ target-step timing.
 """
 
 import concurrent.futures
-import itertools
+import logging
 import time
 
 import ml_collections
 import numpy as np
 
-from spec_jax import benchmark, evaluation, theory
-from spec_jax.decoding import DecodeConfig, pad_prompts
-from spec_jax.sampling import Sampling
+from experiments.harness import compare, loading, timing
+from experiments.harness import config as config_lib
+from spec_jax import theory
+from spec_jax.decoding import pad_prompts
 
-
-def parse_gammas(text) -> list[int]:
-  """'1,2,4' or '1-10' (inclusive) -> [int]; every gamma must be >= 1."""
-  gammas = []
-  for part in str(text).split(","):
-    if "-" in part:
-      low, high = (int(x) for x in part.split("-"))
-      gammas.extend(range(low, high + 1))
-    elif part.strip():
-      gammas.append(int(part))
-  if not gammas or min(gammas) < 1:
-    raise ValueError(f"gammas={text!r}: give gammas >= 1, e.g. '1-10' or "
-                     "'2,4,8'.")
-  return gammas
+_log = logging.getLogger(__name__)
 
 
 def _row(run: dict, parts: dict, ar_seconds: float) -> dict:
@@ -55,20 +43,19 @@ def _row(run: dict, parts: dict, ar_seconds: float) -> dict:
   speedup = sd["tokens_per_s"] / ar_tokens_per_s
   # What the cycles really emitted, after EOS and max_new_tokens cut the last
   # one short.
-  emitted_per_cycle = sd["new_tokens"] / max(sd["cycles"], 1)
+  emitted_per_cycle = sd["new_tokens"] / max(sd["row_cycles"], 1)
   c = parts["draft_step_s"] / parts["target_step_s"]
   verify_cost = parts["verify_s"] / parts["target_step_s"]
   # The same work the measured runs did, priced at the component times: with
   # the cycle timed whole (what the loop body costs), and from its parts (what
   # gamma draft steps and a verify cost alone).
   parts_cycle_s = gamma * parts["draft_step_s"] + parts["verify_s"]
-  work = dict(ar_steps=run["ar"]["steps"], sd_cycles=sd["loop_cycles"],
+  work = dict(ar_steps=run["ar"]["steps"], sd_cycles=sd["cycles"],
               num_prefills=run["num_batches"],
               target_prefill_s=parts["target_prefill_s"],
               draft_prefill_s=parts["draft_prefill_s"])
   predicted = float(theory.predicted_speedup(
       parts["cycle_s"], parts["target_step_s"], **work))
-  per_position = np.asarray(sd["accepted_per_position"]) / max(sd["cycles"], 1)
   return {
       "gamma": gamma,
       "temperature": run["temperature"],
@@ -96,8 +83,11 @@ def _row(run: dict, parts: dict, ar_seconds: float) -> dict:
       # measured c and verify cost.
       "predicted_speedup_iid": float(theory.expected_speedup_with_verify_cost(
           alpha, gamma, c, verify_cost)),
-      # Fraction of cycles that accepted the draft at position i (1-based).
-      "accepted_per_position": per_position.tolist(),
+      # Fraction of row-cycles that accepted the draft at position i
+      # (1-based), and P(accept i | the drafts before it were accepted).
+      "accepted_per_position": sd["position_acceptance"],
+      "conditional_acceptance_per_position":
+          sd["conditional_position_acceptance"],
   }
 
 
@@ -113,48 +103,37 @@ def _best(rows: list[dict], key: str) -> dict:
       for t in temperatures}}
 
 
-def _measure(config, gamma: int, temperature: float, target, drafter,
-             tokenizer, prompts, width: int, max_len: int,
-             target_timer: benchmark.TargetTimer) -> tuple[dict, dict]:
-  """One row's `compare` RUN and its cycle's component times, timed in rounds
-  between the AR and SD runs' batches, so that a slow spell of the machine
-  hits both sides of the comparison alike. The target's timer, pooled over
-  the rows, gets a round every fourth batch."""
-  run_config = ml_collections.ConfigDict(config.to_dict())
-  run_config.gamma = gamma
-  run_config.temperature = str(temperature)
-  decode_config = DecodeConfig(
-      gamma=gamma, max_new_tokens=config.max_new_tokens,
-      sampling=Sampling(temperature=temperature, top_k=config.top_k,
-                        top_p=config.top_p))
-  # The cycle's timer compiles on one core while `compare` compiles the
+def _measure(config, gamma: int, temperature: float, loaded: loading.Loaded,
+             prompts, width: int, max_len: int,
+             target_timer: timing.TargetTimer) -> tuple[dict, dict]:
+  """One row's `compare_at` RUN and its cycle's component times, timed in
+  rounds between the AR and SD runs' batches, so that a slow spell of the
+  machine hits both sides of the comparison alike. The target's timer,
+  pooled over the rows, gets a round every fourth batch."""
+  decode_config = config_lib.decode_config(config, temperature, gamma=gamma)
+  # The cycle's timer compiles on one core while the comparison compiles the
   # decode loop on the other.
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    pending = pool.submit(benchmark.CycleTimer, target, drafter,
-                          config.batch_size, width, max_len, decode_config)
-    batches = itertools.count()
-
-    def time_components():
-      if next(batches) % 4 == 0:
-        target_timer.time_round()
-      pending.result().time_round()
-
-    (run,) = evaluation.compare(
-        run_config, target, drafter, tokenizer, prompts,
-        before_timing=pending.result, after_batch=time_components)
+    pending = pool.submit(timing.CycleTimer, loaded.target.model,
+                          loaded.drafter, config.batch_size, width, max_len,
+                          decode_config)
+    cycle_timer = timing.Deferred(pending)
+    run = compare.compare_at(
+        config, loaded, prompts, temperature, gamma=gamma,
+        timers=(timing.EveryNth(target_timer, 4), cycle_timer))
   return run, pending.result().seconds()
 
 
-def gamma_sweep(config: ml_collections.ConfigDict, target, drafter, tokenizer,
-                prompts: list[str], log=print) -> dict:
+def gamma_sweep(config: ml_collections.ConfigDict, loaded: loading.Loaded,
+                prompts: list[str]) -> dict:
   """Runs every (temperature, gamma) of config on the same prompts.
 
-  Returns {"rows", "best_gamma_measured", "best_gamma_predicted"}; `log`
-  receives a progress line per row.
+  Returns {"rows", "best_gamma_measured", "best_gamma_predicted"} and logs a
+  progress line per row.
   """
-  gammas = parse_gammas(config.gammas)
-  temperatures = evaluation.parse_temperatures(config.temperature)
-  prompt_ids = [tokenizer.encode(p).ids or [0] for p in prompts]
+  gammas = config_lib.gammas(config)
+  temperatures = config_lib.temperatures(config)
+  prompt_ids = compare.encode(prompts, loaded.target.tokenizer)
   width = pad_prompts(prompt_ids)[0].shape[1]
   total = len(gammas) * len(temperatures)
   rows, done, start = [], 0, time.perf_counter()
@@ -163,26 +142,24 @@ def gamma_sweep(config: ml_collections.ConfigDict, target, drafter, tokenizer,
   # step's time by well under 1%.
   max_len = width + config.max_new_tokens + max(gammas) + 1
   for temperature in temperatures:
-    sampling = Sampling(temperature=temperature, top_k=config.top_k,
-                        top_p=config.top_p)
     # AR decoding does not depend on gamma, so every row's AR runs and
     # target-step timings measure the same thing. Pooled over the
     # temperature's rows, their noise shrinks by sqrt(len(gammas)).
-    target_timer = benchmark.TargetTimer(
-        target, config.batch_size, width, max_len, sampling,
-        steps=config.max_new_tokens)
+    target_timer = timing.TargetTimer(
+        loaded.target.model, config.batch_size, width, max_len,
+        config_lib.sampling(config, temperature), steps=config.max_new_tokens)
     runs = []
     for gamma in gammas:
-      runs.append(_measure(config, gamma, temperature, target, drafter,
-                           tokenizer, prompts, width, max_len, target_timer))
+      runs.append(_measure(config, gamma, temperature, loaded, prompts, width,
+                           max_len, target_timer))
       run = runs[-1][0]
       done += 1
       elapsed = time.perf_counter() - start
-      eta = elapsed / done * (total - done)
-      log(f"[{done}/{total}] T={temperature:g} gamma={gamma:2d}: alpha "
-          f"{run['sd']['mean_overlap']:.3f}, tau "
-          f"{run['sd']['tokens_per_cycle']:.2f}, speedup {run['speedup']:.2f}x"
-          f" over this row's AR runs | {elapsed:.0f} s, ETA {eta:.0f} s")
+      _log.info(
+          "[%d/%d] T=%g gamma=%2d: alpha %.3f, tau %.2f, speedup %.2fx over "
+          "this row's AR runs | %.0f s, ETA %.0f s", done, total, temperature,
+          gamma, run["sd"]["mean_overlap"], run["sd"]["tokens_per_cycle"],
+          run["speedup"], elapsed, elapsed / done * (total - done))
     ar_seconds = float(np.median([run["ar"]["wall_s"] for run, _ in runs]))
     target_parts = target_timer.seconds()
     rows.extend(_row(run, {**parts, **target_parts}, ar_seconds)

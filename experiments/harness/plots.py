@@ -5,10 +5,11 @@ script saves them as PNG, a notebook displays the returned objects.
 """
 
 import os
-import tempfile
 
 from matplotlib.figure import Figure
 import numpy as np
+
+from spec_jax import files
 
 
 def _by_temperature(rows):
@@ -62,11 +63,8 @@ def acceptance_by_position_figure(rows) -> Figure:
   axes = figure.add_subplot()
   for index, (temperature, group) in enumerate(_by_temperature(rows).items()):
     row = group[-1]
-    reached = np.concatenate([[1.0], row["accepted_per_position"][:-1]])
-    accepted = np.asarray(row["accepted_per_position"])
-    conditional = np.divide(accepted, reached, out=np.full_like(accepted, np.nan),
-                            where=reached > 0)
-    positions = np.arange(1, len(accepted) + 1)
+    conditional = np.array(row["conditional_acceptance_per_position"], float)
+    positions = np.arange(1, len(conditional) + 1)
     axes.plot(positions, conditional, "o-", color=f"C{index}",
               label=f"T={temperature:g}, gamma={row['gamma']}")
     axes.axhline(row["alpha_min_pq"], color=f"C{index}", ls=":",
@@ -116,10 +114,8 @@ def save_figures(rows, directory: str, figures=None) -> list[str]:
   paths = []
   for name, make in (figures or FIGURES).items():
     path = os.path.join(directory, name)
-    # A temporary name, then a rename: no half-written PNG on a crash.
-    with tempfile.NamedTemporaryFile(dir=directory, suffix=".png",
-                                     delete=False) as f:
-      make(rows).savefig(f, format="png", dpi=120)
-    os.replace(f.name, path)
+    # No half-written PNG on a crash.
+    files.write_atomic(
+        path, lambda f: make(rows).savefig(f, format="png", dpi=120), "wb")
     paths.append(path)
   return paths

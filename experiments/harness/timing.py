@@ -1,4 +1,5 @@
-"""Component times measured the way the decode loop runs them.
+"""All the harness's timing: one wall-clock timer, the interleaved AR/SD
+runner, and component times measured the way the decode loop runs them.
 
 Each component (a draft step, a target step, a verify with its rejection step,
 and a whole propose -> verify -> resample cycle) runs n times inside one jitted
@@ -27,9 +28,59 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import rejection
-from spec_jax.decoding import DecodeConfig, verify
+from spec_jax.decoding import DecodeConfig
 from spec_jax.model import Model
 from spec_jax.sampling import Sampling
+from spec_jax.verification import verify
+
+
+def timed(fn, *args):
+  """(fn(*args), wall seconds), waiting for every device result."""
+  start = time.perf_counter()
+  result = jax.block_until_ready(fn(*args))
+  return result, time.perf_counter() - start
+
+
+def interleave(decoders: dict, batches: list, repeats: int = 1,
+               timers=()) -> dict:
+  """Runs each decoder over every batch, `repeats` times, taking turns.
+
+  Batch by batch the decoders take turns, and before the first batch and
+  after each batch every timer in `timers` (objects with `time_round()`, such as `CycleTimer`) times a
+  round, so that a slow spell of the machine, which on a shared machine lasts
+  seconds, hits all of them alike. A decoder's time is the median over
+  repeats of its time for all the batches: component times are medians too,
+  so measured and predicted speedups compare like with like. Compile first
+  (run each decoder once on a batch of the same shape), so that no
+  compilation falls inside the timing.
+
+  Args:
+    decoders: {name: fn(*batch) -> result}.
+    batches: argument tuples, one per batch.
+
+  Returns:
+    {name: (results of the first repeat, median seconds)}.
+  """
+  results = {name: [] for name in decoders}
+  totals = {name: [] for name in decoders}
+  # A round before the first batch too; it also waits for a timer still
+  # compiling (`Deferred`), so that no compilation overlaps the timing.
+  for timer in timers:
+    timer.time_round()
+  for repeat in range(repeats):
+    seconds = dict.fromkeys(decoders, 0.0)
+    for batch in batches:
+      for name, decode in decoders.items():
+        result, elapsed = timed(decode, *batch)
+        seconds[name] += elapsed
+        if repeat == 0:
+          results[name].append(result)
+      for timer in timers:
+        timer.time_round()
+    for name in decoders:
+      totals[name].append(seconds[name])
+  return {name: (results[name], float(np.median(totals[name])))
+          for name in decoders}
 
 
 @functools.partial(jax.jit, static_argnames="sampling")
@@ -53,13 +104,12 @@ def _propose_steps(drafter, state, target_cache, tokens, lengths, key,
 
   def step(i, carry):
     state, target_cache, checksum = carry
-    draft_tokens, draft_probs, new_state, new_target_cache = drafter.propose(
-        state, target_cache, tokens, lengths, jax.random.fold_in(key, i),
-        gamma, sampling)
+    proposal = drafter.propose(state, target_cache, tokens, lengths,
+                               jax.random.fold_in(key, i), gamma, sampling)
     # The checksum uses every output, so nothing is optimised away.
-    checksum += draft_tokens.sum() + draft_probs.sum()
-    return (drafter.rollback(new_state, lengths),
-            new_target_cache.rollback(target_cache.lengths), checksum)
+    checksum += proposal.tokens.sum() + proposal.probs.sum()
+    return (drafter.update(proposal.state, lengths - 1, None),
+            proposal.target_cache.rollback(target_cache.lengths), checksum)
 
   return jax.lax.fori_loop(0, num_steps, step,
                            (state, target_cache, jnp.zeros(())))
@@ -72,13 +122,12 @@ def _verify_steps(target: Model, cache, tokens, lengths, draft_tokens,
 
   def step(i, carry):
     draft_tokens, cache = carry
-    target_probs, new_cache = verify(target, cache, tokens, lengths,
-                                     draft_tokens, sampling)
+    verified = verify(target, cache, tokens, lengths, draft_tokens, sampling)
     new_tokens, _ = rejection.resample(
-        jax.random.fold_in(key, i), draft_tokens, draft_probs, target_probs,
+        jax.random.fold_in(key, i), draft_tokens, draft_probs, verified.probs,
         greedy=sampling.greedy)
     # Feeding the output back keeps the compiler from hoisting the pass.
-    return new_tokens[:, :-1], new_cache.rollback(cache.lengths)
+    return new_tokens[:, :-1], verified.cache.rollback(cache.lengths)
 
   return jax.lax.fori_loop(0, num_steps, step, (draft_tokens, cache))
 
@@ -92,25 +141,20 @@ def _cycle_steps(target: Model, drafter, state, target_cache, tokens, lengths,
   def step(i, carry):
     state, target_cache, checksum = carry
     propose_key, resample_key = jax.random.split(jax.random.fold_in(key, i))
-    draft_tokens, draft_probs, new_state, new_target_cache = drafter.propose(
-        state, target_cache, tokens, lengths, propose_key, gamma, sampling)
-    target_probs, new_target_cache = verify(
-        target, new_target_cache, tokens, lengths, draft_tokens, sampling)
+    proposal = drafter.propose(state, target_cache, tokens, lengths,
+                               propose_key, gamma, sampling)
+    verified = verify(target, proposal.target_cache, tokens, lengths,
+                      proposal.tokens, sampling,
+                      hidden_layers=drafter.target_layers)
     new_tokens, num_accepted = rejection.resample(
-        resample_key, draft_tokens, draft_probs, target_probs,
+        resample_key, proposal.tokens, proposal.probs, verified.probs,
         greedy=sampling.greedy)
     checksum += new_tokens.sum() + num_accepted.sum()
-    return (drafter.rollback(new_state, lengths),
-            new_target_cache.rollback(target_cache.lengths), checksum)
+    return (drafter.update(proposal.state, lengths - 1, verified),
+            verified.cache.rollback(target_cache.lengths), checksum)
 
   return jax.lax.fori_loop(0, num_steps, step,
                            (state, target_cache, jnp.zeros((), jnp.int32)))
-
-
-def _seconds(fn, *args) -> float:
-  start = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  return time.perf_counter() - start
 
 
 class RoundTimer:
@@ -125,7 +169,7 @@ class RoundTimer:
   calls: {name: fn()}, timed whole.
 
   The functions take turns within a round, and rounds can be interleaved with
-  other timed work (the decode loops, in `evaluation.compare`), so that a
+  other timed work (the decode loops, in `interleave`), so that a
   slow spell of the machine, which on a shared machine lasts seconds, hits
   them all alike. A median, not a minimum: the decode loops are timed by
   medians too, and the minimum of a few runs undercuts the typical run by an
@@ -142,7 +186,7 @@ class RoundTimer:
     self.longs = {}
     for name, fn in steps.items():
       self.longs[name] = long[name] if isinstance(long, dict) else long
-      while (_seconds(fn, self.longs[name]) < 0.1
+      while (timed(fn, self.longs[name])[1] < 0.1
              and self.longs[name] < 100_000):
         self.longs[name] *= 4
     self.runs = collections.defaultdict(list)
@@ -150,9 +194,9 @@ class RoundTimer:
   def time_round(self) -> None:
     for name, fn in self.steps.items():
       for steps in (self.short, self.longs[name]):
-        self.runs[name, steps].append(_seconds(fn, steps))
+        self.runs[name, steps].append(timed(fn, steps)[1])
     for name, fn in self.calls.items():
-      self.runs[name].append(_seconds(fn))
+      self.runs[name].append(timed(fn)[1])
 
   def seconds(self) -> dict:
     """{name: seconds per step (steps) or per call (calls)}, so far."""
@@ -239,8 +283,8 @@ class CycleTimer:
     key = jax.random.key(0)
     tokens, lengths, full, target_cache = _context(target, batch_size,
                                                    max_len)
-    draft_state = drafter.rollback(drafter.prefill(tokens, full, max_len),
-                                   lengths)
+    draft_state = drafter.update(drafter.prefill(tokens, full, max_len),
+                                 lengths - 1, None)
     draft_tokens = tokens[:, :gamma]
     draft_probs = jnp.full((batch_size, gamma, target.vocab_size),
                            1.0 / target.vocab_size)
@@ -273,3 +317,27 @@ class CycleTimer:
         "cycle_s": times["cycle"],
         "draft_prefill_s": times["draft_prefill"],
     }
+
+
+class EveryNth:
+  """A timer that times a round on every nth call of `time_round` only: for
+  a component pooled over many runs, which needs fewer rounds per run."""
+
+  def __init__(self, timer, n: int):
+    self.timer, self.n, self.calls = timer, n, 0
+
+  def time_round(self) -> None:
+    if self.calls % self.n == 0:
+      self.timer.time_round()
+    self.calls += 1
+
+
+class Deferred:
+  """A timer still being built in a thread (a `concurrent.futures.Future`):
+  its first round waits for it, so that it compiles while other work does."""
+
+  def __init__(self, future):
+    self.future = future
+
+  def time_round(self) -> None:
+    self.future.result().time_round()

@@ -8,10 +8,13 @@ import tempfile
 
 import numpy as np
 
+from spec_jax import files
+
 
 def code_version() -> str:
   """The git commit of this checkout, with '+dirty' for uncommitted changes."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
   try:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root,
                             capture_output=True, text=True, check=True)
@@ -23,35 +26,26 @@ def code_version() -> str:
   return commit.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
 
 
-def _write_atomic(path: str, write, mode: str) -> None:
-  """Calls write(file) on a temporary file, then renames it to path, so
-  readers see the old file or the new one, never half of one."""
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  with tempfile.NamedTemporaryFile(mode, dir=directory, suffix=".tmp",
-                                   delete=False) as f:
-    write(f)
-  os.replace(f.name, path)
-
-
 def write_json(path: str, record: dict) -> None:
-  _write_atomic(path, lambda f: f.write(json.dumps(record, indent=2) + "\n"),
+  files.write_atomic(path, lambda f: f.write(json.dumps(record, indent=2) + "\n"),
                 "w")
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
-  """One line per dict; list values are joined with ';'."""
+  """One line per dict; list values are joined with ';', None left empty."""
+  cell = lambda x: "" if x is None else f"{x:g}"
+
   def write(f):
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()
     for row in rows:
-      writer.writerow({k: ";".join(f"{x:g}" for x in v) if isinstance(v, list)
+      writer.writerow({k: ";".join(map(cell, v)) if isinstance(v, list)
                        else v for k, v in row.items()})
-  _write_atomic(path, write, "w")
+  files.write_atomic(path, write, "w")
 
 
 def save_npy(path: str, array: np.ndarray) -> None:
-  _write_atomic(path, lambda f: np.save(f, array), "wb")
+  files.write_atomic(path, lambda f: np.save(f, array), "wb")
 
 
 def check_writable(directory: str) -> None:

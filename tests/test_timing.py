@@ -7,7 +7,7 @@ import pytest
 
 import spec_jax as sj
 from conftest import tiny_pair
-from spec_jax import benchmark
+from experiments.harness import timing as benchmark
 from spec_jax.decoding import DecodeConfig
 
 

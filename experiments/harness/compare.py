@@ -1,0 +1,174 @@
+"""AR and SD side by side on the same prompts: the main job's comparison, and
+the comparison of drafters. `experiments/` and the notebooks call these."""
+
+import logging
+
+import jax
+import ml_collections
+import numpy as np
+
+from experiments.harness import config as config_lib
+from experiments.harness import loading, timing
+from spec_jax import sharding
+from spec_jax.decoding import (DecodeConfig, DecodeResult, generate,
+                               generate_autoregressive, pad_prompts)
+from spec_jax.stats import DecodeStats
+
+_log = logging.getLogger(__name__)
+
+
+def encode(prompts: list[str], tokenizer) -> list[list[int]]:
+  return [tokenizer.encode(p).ids or [0] for p in prompts]
+
+
+def batches(prompt_ids: list[list[int]], batch_size: int,
+            width: int) -> list[tuple[np.ndarray, np.ndarray]]:
+  """(prompts [B, width], lengths [B]) per batch. Every batch is padded to
+  one width and a full batch (the last repeats its last prompt), so one
+  compiled program serves all."""
+  result = []
+  for start in range(0, len(prompt_ids), batch_size):
+    batch = prompt_ids[start:start + batch_size]
+    batch = batch + [batch[-1]] * (batch_size - len(batch))
+    result.append(pad_prompts(batch, min_width=width))
+  return result
+
+
+def decoders(loaded: loading.Loaded, decode_config: DecodeConfig, key,
+             mesh=None) -> dict:
+  """{"ar": fn, "sd": fn}, each fn(prompts, lengths) -> host DecodeResult."""
+  target, drafter = loaded.target.model, loaded.drafter
+  return {
+      "ar": lambda p, n: sharding.to_host(generate_autoregressive(
+          key, target, p, n, decode_config, mesh)),
+      "sd": lambda p, n: sharding.to_host(generate(
+          key, target, drafter, p, n, decode_config, mesh)),
+  }
+
+
+def rows(results: list[DecodeResult], count: int) -> list[list[int]]:
+  """The first `count` rows' emitted tokens."""
+  out = []
+  for result in results:
+    for tokens, n in zip(np.asarray(result.tokens),
+                         np.asarray(result.num_tokens)):
+      out.append(tokens[:n].tolist())
+  return out[:count]
+
+
+def run_record(decode_config: DecodeConfig, batch_size: int, prompts,
+               timed: dict) -> dict:
+  """One RUN of the results file, from `timing.interleave`'s output."""
+  (ar_results, ar_seconds), (sd_results, sd_seconds) = timed["ar"], timed["sd"]
+  ar_rows, sd_rows = rows(ar_results, len(prompts)), rows(sd_results,
+                                                          len(prompts))
+  ar_tokens, sd_tokens = sum(map(len, ar_rows)), sum(map(len, sd_rows))
+  # The AR loop runs until a batch's longest row ends.
+  ar_steps = sum(max(map(len, ar_rows[i:i + batch_size]))
+                 for i in range(0, len(ar_rows), batch_size))
+  summary = DecodeStats.merge([r.stats for r in sd_results]).summary()
+  return {
+      "temperature": decode_config.sampling.temperature,
+      "gamma": decode_config.gamma,
+      "batch_size": batch_size,
+      "num_batches": len(sd_results),
+      "ar": {"tokens_per_s": ar_tokens / ar_seconds, "new_tokens": ar_tokens,
+             "wall_s": ar_seconds, "steps": ar_steps},
+      # Counts and ratios of spec_jax.stats; "cycles" counts loop
+      # iterations, "row_cycles" the cycles of each row, summed.
+      "sd": {"tokens_per_s": sd_tokens / sd_seconds, "new_tokens": sd_tokens,
+             "wall_s": sd_seconds, **summary},
+      "speedup": (sd_tokens / sd_seconds) / (ar_tokens / ar_seconds),
+      "samples": [{"prompt": p, "ar_tokens": a, "sd_tokens": s}
+                  for p, a, s in zip(prompts, ar_rows, sd_rows)],
+  }
+
+
+def compare_at(config: ml_collections.ConfigDict, loaded: loading.Loaded,
+               prompts: list[str], temperature: float, *, gamma=None,
+               seed_offset: int = 0, mesh=None, timers=()) -> dict:
+  """AR and SD at one temperature (and gamma), timed side by side.
+
+  Each decode is compiled and warmed up on the first batch before timing;
+  `timers` time a round after every batch (see `timing.interleave`).
+  """
+  prompt_ids = encode(prompts, loaded.target.tokenizer)
+  width = pad_prompts(prompt_ids)[0].shape[1]
+  decode_config = config_lib.decode_config(
+      config, temperature, gamma=gamma, eos_id=loaded.target.eos_id)
+  run = decoders(loaded, decode_config,
+                 jax.random.key(config.seed + seed_offset), mesh)
+  all_batches = batches(prompt_ids, config.batch_size, width)
+  timing.interleave(run, all_batches[:1])  # compiles outside the timing
+  timed = timing.interleave(run, all_batches, config.timing_repeats, timers)
+  return run_record(decode_config, config.batch_size, prompts, timed)
+
+
+def compare(config: ml_collections.ConfigDict, loaded: loading.Loaded,
+            prompts: list[str], mesh=None) -> list[dict]:
+  """AR and SD on the same prompts and settings, one RUN per temperature.
+
+  With a mesh (the one the pair was loaded on), batches are split over it.
+  """
+  if mesh is not None:
+    sharding.check_batch(config.batch_size, mesh)
+  return [compare_at(config, loaded, prompts, temperature, seed_offset=index,
+                     mesh=mesh)
+          for index, temperature in enumerate(config_lib.temperatures(config))]
+
+
+def compare_drafters(config: ml_collections.ConfigDict) -> list[dict]:
+  """`compare` for each of config.variants (name -> config overrides).
+
+  Returns one row per (variant, temperature): the drafter, gamma, alpha
+  (mean sum_x min(p, q)), acceptance rate, tau, tokens/s and the speedup.
+  """
+  result = []
+  for index, (name, overrides) in enumerate(config.variants.items()):
+    variant = ml_collections.ConfigDict(config.to_dict())
+    del variant["variants"]
+    variant.update(overrides)
+    loaded = loading.load_models(variant)
+    prompts = loading.load_prompts(variant, loaded.target.tokenizer)
+    for run in compare(variant, loaded, prompts):
+      sd = run["sd"]
+      result.append({
+          "variant": name, "drafter": variant.drafter, "gamma": run["gamma"],
+          "temperature": run["temperature"],
+          "alpha_min_pq": sd["mean_overlap"],
+          "acceptance_rate": sd["acceptance_rate"],
+          "tokens_per_cycle": sd["tokens_per_cycle"],
+          "ar_tokens_per_s": run["ar"]["tokens_per_s"],
+          "sd_tokens_per_s": sd["tokens_per_s"], "speedup": run["speedup"],
+          "overrides": overrides.to_dict() if hasattr(overrides, "to_dict")
+                       else dict(overrides)})
+      _log.info("[%d/%d] %s, T=%g: alpha %.3f, tau %.2f, speedup %.2fx",
+                index + 1, len(config.variants), name, run["temperature"],
+                sd["mean_overlap"], sd["tokens_per_cycle"], run["speedup"])
+  return result
+
+
+def format_drafter_table(result: list[dict]) -> str:
+  width = max(len(r["variant"]) for r in result)
+  lines = [f"{'drafter':<{width}} {'T':>3} {'gamma':>5} {'alpha':>6} "
+           f"{'tau':>5} {'AR tok/s':>8} {'SD tok/s':>8} {'speedup':>7}"]
+  for r in result:
+    lines.append(
+        f"{r['variant']:<{width}} {r['temperature']:>3g} {r['gamma']:>5d} "
+        f"{r['alpha_min_pq']:>6.3f} {r['tokens_per_cycle']:>5.2f} "
+        f"{r['ar_tokens_per_s']:>8.1f} {r['sd_tokens_per_s']:>8.1f} "
+        f"{r['speedup']:>6.2f}x")
+  return "\n".join(lines)
+
+
+def format_table(runs: list[dict]) -> str:
+  lines = [f"{'T':>4} {'gamma':>5} {'alpha':>6} {'tau':>5} {'AR tok/s':>9} "
+           f"{'SD tok/s':>9} {'speedup':>7}"]
+  for run in runs:
+    lines.append(
+        f"{run['temperature']:>4g} {run['gamma']:>5d} "
+        f"{run['sd']['acceptance_rate']:>6.3f} "
+        f"{run['sd']['tokens_per_cycle']:>5.2f} "
+        f"{run['ar']['tokens_per_s']:>9.1f} {run['sd']['tokens_per_s']:>9.1f} "
+        f"{run['speedup']:>6.2f}x")
+  return "\n".join(lines)

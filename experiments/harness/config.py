@@ -1,0 +1,134 @@
+"""The config schema: every field the harness reads, declared once, and the
+one place where a config becomes decode settings.
+
+Experiment configs (configs/*.py) start from `base_config()` and add their
+own fields. Lists are tuples, which read naturally on the command line:
+--config.temperatures=0,1 gives (0, 1), --config.temperatures=0.7 gives
+(0.7,). A renamed field fails with ml_collections' "Did you mean ..." message;
+`check` accepts the old comma and range strings that a tuple field receives
+from old flags (gammas "1-10").
+"""
+
+import ml_collections
+
+from spec_jax.decoding import DecodeConfig
+from spec_jax.sampling import Sampling
+
+DRAFTERS = ("model", "ngram", "layer_skip")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """The fields every experiment shares, with their defaults."""
+  config = ml_collections.ConfigDict()
+  # Model directories; "pretrained/NAME" is the built-in pair, "hf:DIR" a
+  # Hugging Face folder.
+  config.target = "pretrained/target"
+  # Where drafts come from: model (config.draft), ngram (prompt lookup in the
+  # row's own context, no draft model) or layer_skip (the target's first
+  # layers, sharing its cache).
+  config.drafter = "model"
+  # The draft model directory, for drafter=model.
+  config.draft = "pretrained/draft"
+  # Dynamic gamma for model and layer_skip: a row stops drafting once the
+  # draft's top probability falls below this (0 always drafts gamma tokens).
+  config.confidence_threshold = 0.0
+  # Prompt lookup: match the last max_n tokens, falling back to min_n.
+  config.ngram = ml_collections.ConfigDict({"max_n": 3, "min_n": 1})
+  # Layer skip: how many of the target's layers the draft runs.
+  config.layer_skip = ml_collections.ConfigDict({"num_layers": 2})
+  # Drafts per cycle.
+  config.gamma = 8
+  # Temperatures, one run each; 0 is greedy.
+  config.temperatures = (0.0, 1.0)
+  # Top-k (0 keeps all) and top-p (1 keeps all), applied to p and q alike.
+  config.top_k = 0
+  config.top_p = 1.0
+  # Rows decoded together.
+  config.batch_size = 1
+  # Runs of AR and SD over all the prompts, taking turns batch by batch; the
+  # median time counts.
+  config.timing_repeats = 1
+  # Tokens generated per prompt (a row also stops at end-of-text).
+  config.max_new_tokens = 96
+  # Prompts: one per line from prompts_file, else num_prompts held-out slices
+  # of prompt_tokens tokens from the corpus ("" is the standard library).
+  config.prompts_file = ""
+  config.num_prompts = 8
+  config.prompt_tokens = 64
+  config.corpus = ""
+  config.heldout_percent = 5
+  # Follow each held-out prompt with its first lines again, as when a file is
+  # re-emitted with an edit: the input prompt lookup is made for.
+  config.repeat_prompts = False
+  config.seed = 0
+  # Device mesh: data x model must equal the device count; -1 fills one axis.
+  # Batch rows are split over data, heads / MLP / vocab over model (see
+  # spec_jax/sharding.py). The default is every device on data, so one device
+  # runs as before.
+  config.mesh = ml_collections.ConfigDict({"data": -1, "model": 1})
+  # A full copy of the draft on every device instead of splitting it over
+  # model: a small draft may be faster without the all-reduces.
+  config.mesh.replicate_draft = False
+  return config
+
+
+def _ints(values, name: str) -> tuple[int, ...]:
+  """A tuple of ints from a tuple field, expanding old range strings
+  ('1-10') and comma strings ('2,4,8') into ints."""
+  result = []
+  for value in values if isinstance(values, (tuple, list)) else (values,):
+    for part in str(value).split(","):
+      if "-" in part.strip()[1:]:
+        low, high = (int(x) for x in part.split("-"))
+        result.extend(range(low, high + 1))
+      elif part.strip():
+        result.append(int(part))
+  if not result:
+    raise ValueError(f"{name}={values!r}: give at least one value, e.g. "
+                     f"--config.{name}=2,4,8.")
+  return tuple(result)
+
+
+def gammas(config: ml_collections.ConfigDict) -> tuple[int, ...]:
+  """config.gammas as ints >= 1."""
+  values = _ints(config.gammas, "gammas")
+  if min(values) < 1:
+    raise ValueError(f"gammas={config.gammas!r}: give gammas >= 1, e.g. "
+                     "--config.gammas=1,2,4,8.")
+  return values
+
+
+def temperatures(config: ml_collections.ConfigDict) -> tuple[float, ...]:
+  values = config.temperatures
+  if not isinstance(values, (tuple, list)):
+    values = (values,)
+  return tuple(float(t) for value in values for t in str(value).split(",")
+               if t.strip())
+
+
+def sampling(config: ml_collections.ConfigDict, temperature: float) -> Sampling:
+  return Sampling(temperature=temperature, top_k=config.top_k,
+                  top_p=config.top_p)
+
+
+def decode_config(config: ml_collections.ConfigDict, temperature: float, *,
+                  gamma: int | None = None, eos_id=None) -> DecodeConfig:
+  """The decode settings of a config at one temperature (and gamma, for a
+  sweep row)."""
+  return DecodeConfig(
+      gamma=config.gamma if gamma is None else gamma,
+      max_new_tokens=config.max_new_tokens,
+      sampling=sampling(config, temperature), eos_id=eos_id)
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError, before anything loads, on settings that cannot
+  work."""
+  if config.drafter not in DRAFTERS:
+    raise ValueError(f"drafter={config.drafter!r}: choose one of {DRAFTERS}.")
+  for temperature in temperatures(config):
+    sampling(config, temperature)
+  if "gammas" in config:
+    gammas(config)
+  else:
+    DecodeConfig(gamma=config.gamma, max_new_tokens=config.max_new_tokens)

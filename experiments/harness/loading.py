@@ -1,0 +1,121 @@
+"""From a config to objects: models, the drafter and the prompts.
+
+One dispatch on where a model comes from: 'hf:DIR' is a Hugging Face folder
+(or hub name), 'pretrained/NAME' a built-in model, anything else a spec_jax
+model directory.
+"""
+
+import dataclasses
+import pathlib
+
+import ml_collections
+
+from experiments.harness import config as config_lib
+from experiments.harness import data
+from spec_jax import checkpoint, hf, pretrained
+from spec_jax.drafters import LayerSkipDrafter, ModelDrafter, NgramDrafter
+from spec_jax.hf import ModelBundle
+
+
+def load(path: str, mesh=None, replicate: bool = False,
+         name: str = "model") -> ModelBundle:
+  """The model at path with its tokenizer and EOS id. With a mesh, the params
+  end in their shardings (sharding.py), replicated if `replicate`; `name`
+  says which model an error is about."""
+  if path.startswith("hf:"):
+    return hf.load_hf(path.removeprefix("hf:"), mesh=mesh, replicate=replicate)
+  model, tokenizer = checkpoint.load_model(pretrained.resolve(path), mesh,
+                                           replicate, name)
+  return ModelBundle(model, tokenizer, tokenizer.token_to_id(pretrained.EOS))
+
+
+def check_same_vocabulary(target: ModelBundle, draft: ModelBundle,
+                          target_path: str, draft_path: str) -> None:
+  if (draft.tokenizer.get_vocab(with_added_tokens=True)
+      != target.tokenizer.get_vocab(with_added_tokens=True)):
+    raise ValueError(
+        f"the draft at {draft_path} and the target at {target_path} use "
+        "different tokenizers; speculative decoding needs one vocabulary. "
+        "Train the draft with --config.tokenizer=<target model directory>.")
+  if draft.model.vocab_size != target.model.vocab_size:
+    raise ValueError(
+        f"the draft at {draft_path} has {draft.model.vocab_size} token ids and "
+        f"the target at {target_path} {target.model.vocab_size}; speculative "
+        "decoding needs one vocabulary. Pick a draft of the target's family.")
+
+
+def load_pair(target_path: str, draft_path: str, mesh=None,
+              replicate_draft: bool = False
+              ) -> tuple[ModelBundle, ModelBundle]:
+  """(target, draft) bundles; the two must share a vocabulary."""
+  target = load(target_path, mesh, name="target")
+  draft = load(draft_path, mesh, replicate_draft, name="draft")
+  check_same_vocabulary(target, draft, target_path, draft_path)
+  return target, draft
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+  """What an experiment decodes with."""
+
+  target: ModelBundle
+  drafter: object  # a spec_jax Drafter
+
+  def describe(self) -> str:
+    return (f"target {self.target.model.num_params:,} params, "
+            f"{self.drafter.describe()}")
+
+
+def make_drafter(config: ml_collections.ConfigDict, target, draft=None):
+  """The drafter config.drafter names, with its sub-config.
+
+  model: the draft model (config.draft), dynamic gamma when
+    config.confidence_threshold > 0;
+  ngram: prompt lookup with config.ngram.max_n / min_n;
+  layer_skip: the target's first config.layer_skip.num_layers layers, dynamic
+    gamma as for model.
+  """
+  if config.drafter == "model":
+    return ModelDrafter(draft, confidence_threshold=config.confidence_threshold)
+  if config.drafter == "ngram":
+    return NgramDrafter(target.vocab_size, max_n=config.ngram.max_n,
+                        min_n=config.ngram.min_n)
+  if config.drafter == "layer_skip":
+    return LayerSkipDrafter(target, num_layers=config.layer_skip.num_layers,
+                            confidence_threshold=config.confidence_threshold)
+  raise ValueError(f"drafter={config.drafter!r}: choose one of "
+                   f"{config_lib.DRAFTERS}.")
+
+
+def load_models(config: ml_collections.ConfigDict, mesh=None) -> Loaded:
+  """The target and the drafter as the config describes them.
+
+  The draft model is loaded only for drafter=model; the others need none.
+  With a mesh, params are loaded into their shardings.
+  """
+  config_lib.check(config)
+  if config.drafter == "model":
+    target, draft = load_pair(config.target, config.draft, mesh,
+                              config.mesh.replicate_draft)
+    draft = draft.model
+  else:
+    target, draft = load(config.target, mesh, name="target"), None
+  return Loaded(target, make_drafter(config, target.model, draft))
+
+
+def load_prompts(config: ml_collections.ConfigDict, tokenizer) -> list[str]:
+  """config.prompts_file (one prompt per line), else held-out corpus files,
+  each followed by its own first lines again when config.repeat_prompts."""
+  if config.prompts_file:
+    path = pathlib.Path(config.prompts_file)
+    if not path.exists():
+      raise FileNotFoundError(f"prompts_file {path} does not exist.")
+    prompts = [line for line in path.read_text().splitlines() if line.strip()]
+    return prompts[:config.num_prompts]
+  _, heldout = data.split_texts(data.corpus_files(config.corpus),
+                                config.heldout_percent)
+  prompts = data.prompts_from_texts(tokenizer, heldout, config.num_prompts,
+                                    config.prompt_tokens, config.seed)
+  if config.repeat_prompts:
+    prompts = data.repeating_prompts(prompts)
+  return prompts

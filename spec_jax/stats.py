@@ -1,0 +1,154 @@
+"""What speculative decoding counts, and every ratio derived from the counts.
+
+The counters live in the decode loop's carry; each ratio is defined once, here,
+and results files, tables and plots all read it from here. Counters add: the
+stats of several batches or runs merge with `+` (row counters are
+concatenated, loop counters summed), and every ratio of the merged stats is the
+ratio of the summed counts, not a mean of per-batch ratios.
+
+Two conventions for "tokens per cycle" meet in the literature:
+  * tau = (accepted drafts + 1) per row-cycle: what one verify pass yields,
+    counting the correction or bonus token. This is the (1 - a^(G+1)) / (1 - a)
+    of Leviathan et al. (2023) and what we report (`tokens_per_cycle`);
+  * accepted drafts per row-cycle, which some papers call the acceptance
+    length (`accepted_per_cycle` = tau - 1).
+"""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@flax.struct.dataclass
+class DecodeStats:
+  """Counters of speculative decoding.
+
+  A row-cycle is one cycle in which that row was still generating.
+  """
+
+  cycles: jax.Array  # [] loop iterations.
+  row_cycles: jax.Array  # [B] cycles each row took part in.
+  drafted: jax.Array  # [B] draft tokens proposed, verified or not.
+  accepted: jax.Array  # [B] draft tokens accepted.
+  accepted_per_position: jax.Array  # [G] row-cycles that accepted draft i.
+  overlap_sum: jax.Array  # [B] sum over verified positions of sum_x min(p, q).
+  verified: jax.Array  # [B] verified positions: accepted + the rejected one.
+
+  @classmethod
+  def zeros(cls, batch_size: int, gamma: int) -> "DecodeStats":
+    row = jnp.zeros((batch_size,), jnp.int32)
+    return cls(
+        cycles=jnp.zeros((), jnp.int32), row_cycles=row, drafted=row,
+        accepted=row, accepted_per_position=jnp.zeros((gamma,), jnp.int32),
+        overlap_sum=jnp.zeros((batch_size,), jnp.float32), verified=row)
+
+  def record_cycle(self, active, proposed, num_accepted,
+                   overlap) -> "DecodeStats":
+    """The counters after one cycle.
+
+    Args:
+      active: [B] bool, rows still generating when the cycle began.
+      proposed: [B, G] bool, positions where a row proposed a draft (dynamic
+        gamma and prompt lookup may propose fewer than gamma).
+      num_accepted: [B] accepted drafts.
+      overlap: [B, G] sum_x min(p, q) at each position.
+    """
+    position = jnp.arange(proposed.shape[1])
+    proposed = active[:, None] & proposed
+    # The accepted positions and the first rejected one.
+    verified = proposed & (position <= num_accepted[:, None])
+    accepted = jnp.where(active, num_accepted, 0)
+    return DecodeStats(
+        cycles=self.cycles + 1,
+        row_cycles=self.row_cycles + active,
+        drafted=self.drafted + proposed.sum(-1),
+        accepted=self.accepted + accepted,
+        accepted_per_position=self.accepted_per_position + jnp.sum(
+            position < accepted[:, None], axis=0),
+        overlap_sum=self.overlap_sum + jnp.where(verified, overlap, 0.0).sum(-1),
+        verified=self.verified + verified.sum(-1))
+
+  def __add__(self, other: "DecodeStats") -> "DecodeStats":
+    """The stats of both runs: rows concatenated, loop counters summed."""
+    rows = lambda a, b: np.concatenate([np.asarray(a), np.asarray(b)])
+    total = lambda a, b: np.asarray(a) + np.asarray(b)
+    return DecodeStats(
+        cycles=total(self.cycles, other.cycles),
+        row_cycles=rows(self.row_cycles, other.row_cycles),
+        drafted=rows(self.drafted, other.drafted),
+        accepted=rows(self.accepted, other.accepted),
+        accepted_per_position=total(self.accepted_per_position,
+                                    other.accepted_per_position),
+        overlap_sum=rows(self.overlap_sum, other.overlap_sum),
+        verified=rows(self.verified, other.verified))
+
+  @classmethod
+  def merge(cls, stats: list["DecodeStats"]) -> "DecodeStats":
+    """The sum of a non-empty list of stats (see `__add__`)."""
+    merged = stats[0]
+    for other in stats[1:]:
+      merged = merged + other
+    return merged
+
+  @property
+  def acceptance_rate(self) -> float:
+    """Accepted over drafted tokens."""
+    return float(self.accepted.sum() / max(int(self.drafted.sum()), 1))
+
+  @property
+  def tokens_per_cycle(self) -> float:
+    """tau: accepted drafts plus the correction or bonus, per row-cycle.
+
+    Counts what each verify produced, before EOS or max_new_tokens cut the
+    last cycle short, which is the quantity (1 - a^(G+1)) / (1 - a) models.
+    """
+    row_cycles = int(self.row_cycles.sum())
+    return float((self.accepted.sum() + row_cycles) / max(row_cycles, 1))
+
+  @property
+  def accepted_per_cycle(self) -> float:
+    """Accepted drafts per row-cycle: tau - 1, the other convention."""
+    return float(self.accepted.sum() / max(int(self.row_cycles.sum()), 1))
+
+  @property
+  def mean_overlap(self) -> float:
+    """Mean of sum_x min(p, q) over verified positions: the model's alpha."""
+    return float(self.overlap_sum.sum() / max(int(self.verified.sum()), 1))
+
+  @property
+  def position_acceptance(self) -> np.ndarray:
+    """[G] fraction of row-cycles that accepted draft i (1-based i = index
+    + 1): P(the first i drafts are all accepted)."""
+    return (np.asarray(self.accepted_per_position)
+            / max(int(self.row_cycles.sum()), 1))
+
+  @property
+  def conditional_position_acceptance(self) -> np.ndarray:
+    """[G] P(draft i accepted | drafts before it accepted); NaN where no
+    cycle reached draft i."""
+    accepted = np.asarray(self.accepted_per_position, np.float64)
+    reached = np.concatenate([[float(self.row_cycles.sum())], accepted[:-1]])
+    return np.divide(accepted, reached, out=np.full_like(accepted, np.nan),
+                     where=reached > 0)
+
+  def summary(self) -> dict:
+    """Host-side counts and ratios for logs and JSON."""
+    return {
+        "cycles": int(self.cycles),
+        "row_cycles": int(self.row_cycles.sum()),
+        "drafted": int(self.drafted.sum()),
+        "accepted": int(self.accepted.sum()),
+        "verified": int(self.verified.sum()),
+        "overlap_sum": float(self.overlap_sum.sum()),
+        "acceptance_rate": self.acceptance_rate,
+        "tokens_per_cycle": self.tokens_per_cycle,
+        "accepted_per_cycle": self.accepted_per_cycle,
+        "mean_overlap": self.mean_overlap,
+        "accepted_per_position": [int(x) for x in self.accepted_per_position],
+        "position_acceptance": self.position_acceptance.tolist(),
+        # None where no cycle reached the position (JSON has no NaN).
+        "conditional_position_acceptance": [
+            None if np.isnan(x) else float(x)
+            for x in self.conditional_position_acceptance],
+    }

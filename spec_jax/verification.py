@@ -1,0 +1,70 @@
+"""verify: the target scores every proposed token in one pass."""
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax.drafting import VerifyOutput
+from spec_jax.model import KVCache, Model
+from spec_jax.sampling import Sampling
+
+
+def tree_depths(parents: jax.Array) -> jax.Array:
+  """[B, N] depth of each node below the context's last token (1 for a node
+  that hangs from it), from parents [B, N] (see `Proposal`)."""
+  depth = jnp.zeros(parents.shape, jnp.int32)
+  # Nodes are in topological order, so one pass in node order suffices.
+  for node in range(parents.shape[1]):
+    parent_depth = jnp.take_along_axis(
+        depth, jnp.maximum(parents[:, node:node + 1], 0), 1)[:, 0]
+    depth = depth.at[:, node].set(
+        jnp.where(parents[:, node] >= 0, parent_depth, 0) + 1)
+  return depth
+
+
+def verify(
+    target: Model,
+    cache: KVCache,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    draft_tokens: jax.Array,
+    sampling: Sampling,
+    parents: jax.Array | None = None,
+    hidden_layers: tuple[int, ...] = (),
+) -> VerifyOutput:
+  """Scores [last, d_1..d_N] in one target pass.
+
+  Args:
+    target: the target model.
+    cache: valid for each row's first lengths - 1 positions.
+    tokens: [B, S] sequences, whose last tokens are at lengths - 1.
+    lengths: [B] sequence lengths.
+    draft_tokens: [B, N] drafts: a chain, or a tree's nodes when parents is
+      given.
+    sampling: the transform that turns target logits into p.
+    parents: None for a chain; for a tree, [B, N] int32 parent of each node
+      (-1: the context's last token). Each node is then scored under an
+      ancestor-or-self mask at position lengths - 1 + its depth, so p at node
+      i is the target's law given the context and i's own path.
+    hidden_layers: the target blocks whose inputs to return (see
+      `Transformer.__call__`), for drafters that read the target's features.
+
+  Returns:
+    p_1..p_{N+1} [B, N+1, V] float32 (p at the last token, then at each
+    draft), the cache written for the N+1 tokens, and the hidden states.
+  """
+  last = jnp.take_along_axis(tokens, lengths[:, None] - 1, 1)  # [B, 1]
+  inputs = jnp.concatenate([last, draft_tokens], axis=1)  # [B, N+1]
+  if parents is None:
+    offsets = jnp.arange(inputs.shape[1])
+    call_parents = None
+  else:
+    offsets = jnp.pad(tree_depths(parents), ((0, 0), (1, 0)))
+    # Among the call's tokens the last token is 0, node j is j + 1; the last
+    # token itself hangs from the cached context (-1).
+    call_parents = jnp.pad(jnp.where(parents >= -1, parents + 1, -1),
+                           ((0, 0), (1, 0)), constant_values=-1)
+  positions = lengths[:, None] - 1 + offsets
+  logits, cache, hidden = target.forward(inputs, cache, positions,
+                                         parents=call_parents,
+                                         hidden_layers=hidden_layers)
+  return VerifyOutput(sampling.probs(logits), cache, hidden)
