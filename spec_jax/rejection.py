@@ -22,6 +22,7 @@ removed and renormalised.
 import jax
 import jax.numpy as jnp
 
+from spec_jax import block_verification
 from spec_jax import sampling
 
 
@@ -71,6 +72,7 @@ def resample(
     target_probs: jax.Array,
     *,
     greedy: bool = False,
+    method: str = "token",
 ) -> tuple[jax.Array, jax.Array]:
   """Accepts a prefix of the drafts and appends one correction or bonus token.
 
@@ -81,6 +83,10 @@ def resample(
       all zero where a row proposes nothing.
     target_probs: [B, G+1, V] float32, p_1..p_{G+1}.
     greedy: temperature 0: accept while d_i == argmax p_i, then emit argmax.
+      Both methods agree at temperature 0, so greedy ignores `method`.
+    method: "token", the rule above, or "block", block verification (Sun et
+      al., 2024; see `block_verification`), which keeps the same law and
+      accepts at least as many drafts in expectation.
 
   Returns:
     tokens [B, G+1] int32 and num_accepted [B] int32 in [0, G]. With
@@ -88,6 +94,11 @@ def resample(
     is the correction (n < G) or the bonus (n == G). Entries after n repeat
     tokens[b, n].
   """
+  if method not in ("token", "block"):
+    raise ValueError(f"method={method!r} is not one of 'token', 'block'.")
+  if method == "block" and not greedy:
+    return block_verification.resample_block(key, draft_tokens, draft_probs,
+                                             target_probs)
   gamma = draft_tokens.shape[-1]
   target_argmax = jnp.argmax(target_probs, -1).astype(jnp.int32)  # [B, G+1]
   if greedy:
