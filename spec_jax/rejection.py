@@ -24,18 +24,14 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from spec_jax import block_verification
 from spec_jax import sampling
-
-
-def _at_tokens(probs: jax.Array, tokens: jax.Array) -> jax.Array:
-  """probs [B, G, V] at tokens [B, G] -> [B, G]."""
-  return jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
 
 
 def draft_token_probs(draft_tokens: jax.Array,
                       draft_probs: jax.Array) -> jax.Array:
   """q_i(d_i): [B, G]; 0 where a row proposed nothing."""
-  return _at_tokens(draft_probs, draft_tokens)
+  return sampling.probs_at(draft_probs, draft_tokens)
 
 
 def acceptance_probs(
@@ -43,7 +39,7 @@ def acceptance_probs(
 ) -> jax.Array:
   """min(1, p_i(d_i) / q_i(d_i)) for each draft: [B, G] float32."""
   gamma = draft_tokens.shape[-1]
-  p = _at_tokens(target_probs[:, :gamma], draft_tokens)
+  p = sampling.probs_at(target_probs[:, :gamma], draft_tokens)
   q = draft_token_probs(draft_tokens, draft_probs)
   # q > 0 for any token drawn from q; q = 0 marks a position that proposes
   # nothing, which is rejected.
@@ -73,6 +69,7 @@ def resample(
     target_probs: jax.Array,
     *,
     greedy: bool = False,
+    method: str = "token",
     correction: Callable[[jax.Array, jax.Array], jax.Array] = correction_probs,
 ) -> tuple[jax.Array, jax.Array]:
   """Accepts a prefix of the drafts and appends one correction or bonus token.
@@ -84,8 +81,12 @@ def resample(
       all zero where a row proposes nothing.
     target_probs: [B, G+1, V] float32, p_1..p_{G+1}.
     greedy: temperature 0: accept while d_i == argmax p_i, then emit argmax.
-    correction: (draft_probs, target_probs) -> [B, G+1, V], the law of the
-      emitted token after i accepted drafts. Exact only as
+      Both methods agree at temperature 0, so greedy ignores `method`.
+    method: "token", the rule above, or "block", block verification (Sun et
+      al., 2024; see `block_verification`), which keeps the same law and
+      accepts at least as many drafts in expectation.
+    correction: the token rule's (draft_probs, target_probs) -> [B, G+1, V],
+      the law of the emitted token after i accepted drafts. Exact only as
       `correction_probs`; a negative control passes a wrong one.
 
   Returns:
@@ -94,6 +95,11 @@ def resample(
     is the correction (n < G) or the bonus (n == G). Entries after n repeat
     tokens[b, n].
   """
+  if method not in ("token", "block"):
+    raise ValueError(f"method={method!r} is not one of 'token', 'block'.")
+  if method == "block" and not greedy:
+    return block_verification.resample_block(key, draft_tokens, draft_probs,
+                                             target_probs)
   gamma = draft_tokens.shape[-1]
   target_argmax = jnp.argmax(target_probs, -1).astype(jnp.int32)  # [B, G+1]
   if greedy:

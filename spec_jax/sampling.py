@@ -75,3 +75,8 @@ class Sampling:
 def categorical(key: jax.Array, probs: jax.Array) -> jax.Array:
   """int32 draws [...] from (possibly unnormalised) probs [..., V] >= 0."""
   return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+
+
+def probs_at(probs: jax.Array, tokens: jax.Array) -> jax.Array:
+  """probs [..., V] at tokens [...] -> [...]: each token's probability."""
+  return jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
