@@ -43,6 +43,7 @@ from spec_jax.rejection import (
 )
 from spec_jax.sampling import Sampling
 from spec_jax.stats import DecodeStats
+from spec_jax.tree import resample_tree
 from spec_jax.verification import verify
 
 __all__ = [
@@ -52,6 +53,6 @@ __all__ = [
     "TransformerConfig", "VerifyOutput", "acceptance_probs",
     "correction_probs", "generate", "generate_autoregressive", "load_hf",
     "load_model", "overlap", "pad_prompts", "prompt_lookup", "propose",
-    "resample", "save_hf", "save_model", "score", "sharding", "theory",
+    "resample", "resample_tree", "save_hf", "save_model", "score", "sharding", "theory",
     "verify",
 ]

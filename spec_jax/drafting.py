@@ -109,6 +109,34 @@ def check_vocabulary(vocab_size: int, target: Model) -> None:
 DraftFn = Callable[..., tuple[jax.Array, KVCache]]
 
 
+@flax.struct.dataclass
+class _DraftLoop:
+  """The carry of `propose`'s draft loop."""
+
+  step: jax.Array  # [] the draft being drawn.
+  logits: jax.Array  # [B, V] the draft's logits for it.
+  cache: KVCache
+  tokens: jax.Array  # [B, G] int32 drafts so far.
+  probs: jax.Array  # [B, G, V] float32 their q.
+  drafting: jax.Array  # [B] bool, the row has not stopped (dynamic gamma).
+
+  @classmethod
+  def start(cls, logits, cache, gamma: int) -> "_DraftLoop":
+    batch_size, vocab_size = logits.shape
+    return cls(step=jnp.zeros((), jnp.int32), logits=logits, cache=cache,
+               tokens=jnp.zeros((batch_size, gamma), jnp.int32),
+               probs=jnp.zeros((batch_size, gamma, vocab_size), jnp.float32),
+               drafting=jnp.ones((batch_size,), bool))
+
+  def draw(self, keys, sampling: Sampling) -> "_DraftLoop":
+    """Samples draft `step`; rows no longer drafting get q = 0 there."""
+    probs = sampling.probs(self.logits)
+    token = sampling.sample(keys[self.step], probs)
+    probs = jnp.where(self.drafting[:, None], probs, 0.0)
+    return self.replace(tokens=self.tokens.at[:, self.step].set(token),
+                        probs=self.probs.at[:, self.step].set(probs))
+
+
 def propose(
     draft: DraftFn,
     cache: KVCache,
@@ -157,39 +185,19 @@ def propose(
   positions = jnp.maximum(lengths[:, None] + jnp.arange(-context, 0), 0)
   logits, cache = draft(jnp.take_along_axis(tokens, positions, 1), cache,
                         positions)
-  logits = logits[:, -1]  # [B, V]
-  batch_size, vocab_size = logits.shape
   keys = jax.random.split(key, gamma)
 
-  def draw(step, logits, draft_tokens, draft_probs, drafting):
-    """Samples draft `step`; rows no longer drafting get q = 0 there."""
-    probs = sampling.probs(logits)
-    token = sampling.sample(keys[step], probs)
-    probs = jnp.where(drafting[:, None], probs, 0.0)
-    return (draft_tokens.at[:, step].set(token),
-            draft_probs.at[:, step].set(probs))
-
-  def keep_drafting(carry):
-    step, _, _, _, _, drafting = carry
-    return (step < gamma - 1) & jnp.any(drafting)
-
-  def draft_step(carry):
-    step, logits, cache, draft_tokens, draft_probs, drafting = carry
-    draft_tokens, draft_probs = draw(step, logits, draft_tokens, draft_probs,
-                                     drafting)
-    logits, cache = draft(draft_tokens[:, step, None], cache)
-    logits = logits[:, 0]
-    confidence = jax.nn.softmax(logits).max(-1)
-    drafting = drafting & (confidence >= confidence_threshold)
-    return step + 1, logits, cache, draft_tokens, draft_probs, drafting
+  def draft_step(state: _DraftLoop) -> _DraftLoop:
+    state = state.draw(keys, sampling)
+    logits, cache = draft(state.tokens[:, state.step, None], state.cache)
+    confidence = jax.nn.softmax(logits[:, 0]).max(-1)
+    return state.replace(
+        step=state.step + 1, logits=logits[:, 0], cache=cache,
+        drafting=state.drafting & (confidence >= confidence_threshold))
 
   # gamma - 1 steps feed a draft back; the last draft is sampled only.
-  carry = (jnp.zeros((), jnp.int32), logits, cache,
-           jnp.zeros((batch_size, gamma), jnp.int32),
-           jnp.zeros((batch_size, gamma, vocab_size), jnp.float32),
-           jnp.ones((batch_size,), bool))
-  step, logits, cache, draft_tokens, draft_probs, drafting = (
-      jax.lax.while_loop(keep_drafting, draft_step, carry))
-  draft_tokens, draft_probs = draw(step, logits, draft_tokens, draft_probs,
-                                   drafting)
-  return draft_tokens, draft_probs, cache
+  state = jax.lax.while_loop(
+      lambda state: (state.step < gamma - 1) & jnp.any(state.drafting),
+      draft_step, _DraftLoop.start(logits[:, -1], cache, gamma))
+  state = state.draw(keys, sampling)
+  return state.tokens, state.probs, state.cache

@@ -107,6 +107,20 @@ def test_speculative_samples_follow_target_law(pair8, sampling, gamma):
   assert p_value > SIGNIFICANCE, p_value
 
 
+def test_block_verification_samples_the_target_law(pair8):
+  """The block rule through the whole jitted loop, as the token rule above."""
+  target, draft = pair8
+  sampling = sj.Sampling(temperature=1.0)
+  config = decoding.DecodeConfig(
+      gamma=3, max_new_tokens=NUM_NEW, sampling=sampling,
+      resample=functools.partial(sj.resample, method="block"))
+  decode = lambda key, prompts, lengths: sj.generate(
+      key, target, sj.ModelDrafter(draft), prompts, lengths, config).tokens
+  p_value = chi_square_p_value(sampled_counts(decode, seed=11),
+                               exact_law(target, sampling))
+  assert p_value > SIGNIFICANCE, p_value
+
+
 def other_drafters(target, draft):
   return {
       "ngram": sj.NgramDrafter(VOCAB, max_n=2),
