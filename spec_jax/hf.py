@@ -12,7 +12,6 @@ transpose of ours.
 """
 
 import contextlib
-import dataclasses
 import json
 import os
 import pathlib
@@ -26,20 +25,12 @@ import safetensors.flax
 import tokenizers
 
 from spec_jax import data, sharding
+from spec_jax.bundle import ModelBundle
 from spec_jax.model import Model, RopeScaling, TransformerConfig
 
 FAMILIES = ("gpt2", "llama", "qwen2")
 # Buffers some checkpoints store that are not parameters.
 _BUFFERS = re.compile(r".*(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelBundle:
-  """A model with its tokenizer and end-of-sequence token."""
-
-  model: Model
-  tokenizer: tokenizers.Tokenizer
-  eos_id: int | None  # The first of the checkpoint's EOS ids, if any.
 
 
 def family(config: TransformerConfig) -> str:
@@ -314,16 +305,44 @@ def _read_tensors(folder: pathlib.Path) -> dict:
   return tensors
 
 
-def load_eos_id(path) -> int | None:
-  """The checkpoint's end-of-sequence id (the first, if it lists several)."""
+def load_stop_ids(path) -> tuple[int, ...]:
+  """The checkpoint's end-of-sequence ids, in its order (chat models often
+  list the end of turn too)."""
   folder = _local_folder(path)
   eos = None
   for name in ("config.json", "generation_config.json"):  # The latter wins.
     if (folder / name).exists():
       eos = json.loads((folder / name).read_text()).get("eos_token_id", eos)
-  if isinstance(eos, list):
-    eos = eos[0] if eos else None
-  return eos
+  if eos is None:
+    return ()
+  return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def load_eos_id(path) -> int | None:
+  """The checkpoint's end-of-sequence id (the first, if it lists several)."""
+  stop_ids = load_stop_ids(path)
+  return stop_ids[0] if stop_ids else None
+
+
+def load_chat_template(folder: pathlib.Path) -> tuple[str | None, dict]:
+  """The chat template and the special tokens it may name, from
+  chat_template.jinja (newer transformers) or tokenizer_config.json."""
+  config = {}
+  if (folder / "tokenizer_config.json").exists():
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+  template = config.get("chat_template")
+  if (folder / "chat_template.jinja").exists():
+    template = (folder / "chat_template.jinja").read_text()
+  if isinstance(template, list):  # [{"name": "default", "template": ...}...]
+    template = {t["name"]: t["template"] for t in template}.get("default")
+  tokens = {}
+  for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+    token = config.get(name)
+    if isinstance(token, dict):  # A serialised AddedToken.
+      token = token.get("content")
+    if token is not None:
+      tokens[name] = token
+  return template, tokens
 
 
 def load_hf(path, dtype: str = "float32", mesh=None,
@@ -363,7 +382,9 @@ def load_hf(path, dtype: str = "float32", mesh=None,
   if mesh is not None:
     model = sharding.shard_model(model, mesh, replicate)
   tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
-  return ModelBundle(model, tokenizer, load_eos_id(folder))
+  chat_template, tokens = load_chat_template(folder)
+  return ModelBundle(model, tokenizer, load_stop_ids(folder), chat_template,
+                     tokens)
 
 
 def save_hf(path, model: Model, tokenizer: tokenizers.Tokenizer,
