@@ -148,3 +148,81 @@ def test_bad_files_are_refused_by_name(tmp_path):
   mamba = write_gguf(tmp_path / "mamba.gguf", model, arch="mamba")
   with pytest.raises(ValueError, match="mamba.gguf: architecture 'mamba'"):
     sj_gguf.load_gguf(mamba)
+
+
+# Real files: transformers reads the same GGUF (dequantized to float32 with
+# the same gguf code), so the only differences left are float rounding.
+PROMPTS = ["The capital of France is",
+           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.",
+           "Once upon a time, in a small village by the sea,"]
+CHAT = [{"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name a prime number."},
+        {"role": "assistant", "content": "Seven."},
+        {"role": "user", "content": "And an even one?"}]
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m-instruct",
+                                        "gemma3-270m"])
+def real_pair(request):
+  """(spec_jax bundle, transformers model, transformers tokenizer)."""
+  path = sj_gguf.packaged(request.param)
+  if path is None:
+    pytest.skip(f"{request.param} is not installed; see the README.")
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  torch_model = transformers.AutoModelForCausalLM.from_pretrained(
+      path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+  tokenizer = transformers.AutoTokenizer.from_pretrained(
+      path.parent, gguf_file=path.name)
+  return sj_gguf.load_gguf(path), torch_model, tokenizer
+
+
+@pytest.mark.slow
+def test_real_gguf_logits_match_transformers(real_pair):
+  import torch  # pylint: disable=import-outside-toplevel
+  bundle, torch_model, tokenizer = real_pair
+  for prompt in PROMPTS:
+    ids = tokenizer(prompt).input_ids
+    assert bundle.tokenizer.encode(prompt).ids == ids
+    with torch.no_grad():
+      theirs = torch_model(torch.tensor([ids])).logits.numpy()
+    ours = np.asarray(sj.score(bundle.model, np.asarray([ids])))
+    print(f"{prompt[:20]!r}: max |logit diff| "
+          f"{np.abs(ours - theirs).max():.2e}")
+    np.testing.assert_allclose(ours, theirs, atol=1e-3, rtol=0)
+    np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.slow
+def test_real_gguf_greedy_continuations_match_transformers(real_pair):
+  import torch  # pylint: disable=import-outside-toplevel
+  bundle, torch_model, tokenizer = real_pair
+  ids = tokenizer(PROMPTS[0]).input_ids
+  # Greedy by hand: `generate` with min_new_tokens would forbid EOS, which
+  # these chat models do emit (and spec_jax, without eos_id, emits too).
+  sequence = list(ids)
+  with torch.no_grad():
+    for _ in range(64):
+      logits = torch_model(torch.tensor([sequence])).logits[0, -1]
+      sequence.append(int(logits.argmax()))
+  theirs = sequence[len(ids):]
+  prompts, lengths = sj.pad_prompts([ids])
+  ours = sj.generate_autoregressive(
+      jax.random.key(0), bundle.model, prompts, lengths,
+      sj.DecodeConfig(max_new_tokens=64,
+                      sampling=sj.Sampling(temperature=0.0)))
+  assert np.asarray(ours.tokens[0]).tolist() == theirs
+
+
+@pytest.mark.slow
+def test_real_gguf_chat_template_matches_transformers(real_pair):
+  bundle, _, tokenizer = real_pair
+  if bundle.chat_template is None:
+    assert tokenizer.chat_template is None
+    pytest.skip("this GGUF carries no chat template")
+  for prompt in (True, False):
+    assert bundle.apply_chat_template(CHAT, prompt) == (
+        tokenizer.apply_chat_template(CHAT, tokenize=False,
+                                      add_generation_prompt=prompt))
+  assert bundle.encode_chat(CHAT) == tokenizer.apply_chat_template(
+      CHAT, tokenize=True, add_generation_prompt=True, return_dict=False)
