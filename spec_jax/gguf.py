@@ -143,8 +143,8 @@ def config_from_gguf(meta: _Metadata, tensors: set[str],
   scaling = None
   scaling_type = meta.get(key("rope.scaling.type"), "none")
   if scaling_type == "linear":
-    scaling = RopeScaling(kind="linear",
-                          factor=float(meta.require(key("rope.scaling.factor"))))
+    factor = float(meta.require(key("rope.scaling.factor")))
+    scaling = RopeScaling(kind="linear", factor=factor)
   elif scaling_type != "none":
     raise ValueError(f"{meta.path}: rope scaling {scaling_type!r} is not "
                      "supported; only linear is.")

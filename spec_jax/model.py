@@ -121,7 +121,8 @@ class TransformerConfig:
   # contiguous split of the rows over a mesh axis splits by head (sharding.py
   # permutes the rows and sets this).
   qkv_head_major: bool = False
-  qk_norm: bool = False  # RMSNorm over each query and key head (Qwen3, Gemma 3).
+  # RMSNorm over each query and key head (Qwen3, Gemma 3).
+  qk_norm: bool = False
   # Norms after the attention and after the MLP too, before each residual add
   # (Gemma 2 and 3: four norms per block).
   post_norms: bool = False
@@ -133,7 +134,8 @@ class TransformerConfig:
   # "full" or "sliding" for each layer; None: every layer slides if
   # sliding_window is set (Mistral), else none does.
   layer_types: tuple[str, ...] | None = None
-  rope_local_theta: float | None = None  # Sliding layers' base; None: rope_theta.
+  # Rotary base of sliding layers; None: rope_theta.
+  rope_local_theta: float | None = None
   attn_softcap: float | None = None  # Scores -> cap * tanh(scores / cap).
   final_softcap: float | None = None  # Logits -> cap * tanh(logits / cap).
 

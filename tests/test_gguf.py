@@ -61,7 +61,8 @@ def write_gguf(path, model, arch="llama", tensor_type="F32", extra=None):
   writer.add_chat_template(TEMPLATE)
   names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
            "lm_head": "output"}
-  block = {v: k for k, v in sj_gguf._BLOCK.items()}  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  block = {v: k for k, v in sj_gguf._BLOCK.items()}
   quant = gguf.GGMLQuantizationType[tensor_type]
   for name, value in hf.params_to_hf(model.params, cfg).items():
     value = np.asarray(value, np.float32)

@@ -56,7 +56,8 @@ def hf_pair(request, tmp_path_factory):
   """(family, HF torch model, folder it is saved in)."""
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(
-      CONFIGS[request.param](), dtype=torch.float32, attn_implementation="eager")
+      CONFIGS[request.param](), dtype=torch.float32,
+      attn_implementation="eager")
   model = _randomize(model, seed=len(request.param))
   folder = tmp_path_factory.mktemp(request.param)
   model.save_pretrained(folder)
