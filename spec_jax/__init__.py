@@ -32,7 +32,9 @@ from spec_jax.drafters import (
     prompt_lookup,
 )
 from spec_jax.drafting import Drafter, Proposal, VerifyOutput, propose
-from spec_jax.hf import ModelBundle, load_hf, save_hf
+from spec_jax.bundle import ModelBundle
+from spec_jax.gguf import load_gguf
+from spec_jax.hf import load_hf, save_hf
 from spec_jax.model import (KVCache, Model, RopeScaling, Transformer,
                             TransformerConfig, score)
 from spec_jax.rejection import (
@@ -51,7 +53,7 @@ __all__ = [
     "KVCache", "LayerSkipDrafter", "Model", "ModelBundle", "ModelDrafter",
     "NgramDrafter", "Proposal", "RopeScaling", "Sampling", "Transformer",
     "TransformerConfig", "VerifyOutput", "acceptance_probs",
-    "correction_probs", "generate", "generate_autoregressive", "load_hf",
+    "correction_probs", "generate", "generate_autoregressive", "load_gguf", "load_hf",
     "load_model", "overlap", "pad_prompts", "prompt_lookup", "propose",
     "resample", "resample_tree", "save_hf", "save_model", "score", "sharding", "theory",
     "verify",

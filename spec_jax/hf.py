@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints: GPT-2, Llama and Qwen2 folders in and out.
+"""Hugging Face checkpoints: GPT-2, Llama, Qwen2, Qwen3, Mistral, Gemma 2 and
+Gemma 3 (text) folders in and out.
 
 A Hugging Face model folder holds config.json, model.safetensors (or shards
 listed in model.safetensors.index.json) and tokenizer.json. `load_hf` reads
@@ -8,11 +9,10 @@ other tools run the same weights. No torch is needed for either.
 Parameter names map one to one, except that spec_jax fuses projections that
 run on the same input into one matmul: q, k and v into `qkv`, and Llama's gate
 and up into `mlp_in`. GPT-2's Conv1D kernels are stored [in, out], the
-transpose of ours.
+transpose of ours. Gemma's norms are stored as w and scale by 1 + w, in both.
 """
 
 import contextlib
-import dataclasses
 import json
 import pathlib
 import re
@@ -24,55 +24,80 @@ import safetensors.flax
 import tokenizers
 
 from spec_jax import files, pretrained, sharding
+from spec_jax.bundle import ModelBundle
 from spec_jax.model import Model, RopeScaling, TransformerConfig
 
-FAMILIES = ("gpt2", "llama", "qwen2")
+FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2",
+            "gemma3_text")
+# HF layer_types names <-> ours.
+_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 # Buffers some checkpoints store that are not parameters.
 _BUFFERS = re.compile(r".*(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelBundle:
-  """A model with its tokenizer and end-of-sequence token."""
-
-  model: Model
-  tokenizer: tokenizers.Tokenizer
-  eos_id: int | None  # The first of the checkpoint's EOS ids, if any.
-
-
 def family(config: TransformerConfig) -> str:
   """The HF architecture whose layout holds this config exactly."""
-  gpt2 = dict(norm="layer", position="learned", mlp="gelu", qkv_bias=True,
-              bias=True, tie_embeddings=True)
-  llama = dict(norm="rms", position="rope", mlp="swiglu", bias=False)
-  if all(getattr(config, k) == v for k, v in gpt2.items()):
-    if config.num_kv_heads == config.num_heads:
-      return "gpt2"
-  elif all(getattr(config, k) == v for k, v in llama.items()):
-    return "qwen2" if config.qkv_bias else "llama"
+  has = lambda **switches: all(getattr(config, k) == v
+                                for k, v in switches.items())
+  gemma_only = has(post_norms=False, embed_scale=False,
+                   query_pre_attn_scalar=None, rope_local_theta=None,
+                   attn_softcap=None, final_softcap=None)
+  if has(norm="layer", position="learned", mlp="gelu", qkv_bias=True,
+         bias=True, tie_embeddings=True, qk_norm=False, sliding_window=None,
+         num_kv_heads=config.num_heads) and gemma_only:
+    return "gpt2"
+  if has(norm="rms", position="rope", mlp="swiglu", bias=False) and gemma_only:
+    if config.sliding_window is not None:
+      if has(layer_types=None, qk_norm=False, qkv_bias=False):
+        return "mistral"
+    elif config.qk_norm:
+      if not config.qkv_bias:
+        return "qwen3"
+    else:
+      return "qwen2" if config.qkv_bias else "llama"
+  if has(norm="gemma_rms", position="rope", mlp="geglu", bias=False,
+         qkv_bias=False, post_norms=True, embed_scale=True,
+         tie_embeddings=True) and config.layer_types is not None:
+    if config.qk_norm and config.attn_softcap is None and (
+        config.final_softcap is None):
+      return "gemma3_text"
+    if not config.qk_norm and config.rope_local_theta is None and (
+        config.rope_scaling is None):
+      return "gemma2"
   raise ValueError(
       f"no Hugging Face architecture matches {config}; export supports GPT-2 "
-      "(layer norm, learned positions, GELU, biases, tied embeddings) and "
-      "Llama/Qwen2 (RMS norm, rope, SwiGLU, no output biases).")
+      "(layer norm, learned positions, GELU, biases, tied embeddings), "
+      "Llama/Qwen2/Qwen3/Mistral (RMS norm, rope, SwiGLU, no output biases) "
+      "and Gemma 2/3 (Gemma norms, four per block, GeGLU, tied embeddings).")
 
 
-def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
-  """rope_theta and the Llama-3 scaling, from either config.json style.
+def _rope(hf: dict, layer_type: str | None = None
+          ) -> tuple[float, RopeScaling | None]:
+  """rope_theta and the Llama-3 or linear scaling, from either config.json
+  style.
 
   Older transformers write rope_theta and rope_scaling at the top level,
-  newer ones one rope_parameters dict.
+  newer ones one rope_parameters dict, per layer type for Gemma 3
+  ({"full_attention": {...}, "sliding_attention": {...}}).
   """
   params = dict(hf.get("rope_scaling") or {})
-  params.update(hf.get("rope_parameters") or {})
+  nested = hf.get("rope_parameters") or {}
+  if layer_type is not None and layer_type in nested:
+    params = dict(nested[layer_type])
+  elif layer_type is None or not (nested.keys() & _LAYER_TYPES.keys()):
+    params.update(nested)
   theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
   kind = params.get("rope_type", params.get("type", "default"))
   if params.get("partial_rotary_factor", 1.0) != 1.0:
     raise ValueError("partial_rotary_factor != 1 is not supported.")
   if kind == "default":
     return float(theta), None
+  if kind == "linear":
+    return float(theta), RopeScaling(kind="linear",
+                                     factor=float(params["factor"]))
   if kind != "llama3":
-    raise ValueError(f"rope type {kind!r} is not supported; only the default "
-                     "and 'llama3' are.")
+    raise ValueError(f"rope type {kind!r} is not supported; only the default, "
+                     "'linear' and 'llama3' are.")
   return float(theta), RopeScaling(
       factor=float(params["factor"]),
       low_freq_factor=float(params["low_freq_factor"]),
@@ -102,33 +127,60 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> TransformerConfig:
         d_ff=hf.get("n_inner") or 4 * hf["n_embd"],
         max_len=hf["n_positions"], dtype=dtype,
         norm_eps=hf.get("layer_norm_epsilon", 1e-5))
-  if model_type not in ("llama", "qwen2"):
+  if model_type not in FAMILIES:
     raise ValueError(f"model_type {model_type!r} is not supported; spec_jax "
                      f"reads {', '.join(FAMILIES)}.")
   heads = hf["num_attention_heads"]
-  if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
-    raise ValueError(f"head_dim={hf['head_dim']} with {heads} heads does not "
-                     f"make hidden_size={hf['hidden_size']}; not supported.")
-  if hf.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported.")
-  if model_type == "qwen2":
-    if hf.get("use_sliding_window", False):
-      raise ValueError("Qwen2 sliding-window attention is not supported.")
-    qkv_bias = True
-  else:
-    if hf.get("attention_bias", False) or hf.get("mlp_bias", False):
-      raise ValueError("Llama with attention_bias or mlp_bias is not "
-                       "supported.")
-    qkv_bias = False
-  theta, scaling = _rope(hf)
-  return TransformerConfig(
+  gemma = model_type in ("gemma2", "gemma3_text")
+  activation = hf.get("hidden_activation" if gemma else "hidden_act",
+                      "gelu_pytorch_tanh" if gemma else "silu")
+  if activation != ("gelu_pytorch_tanh" if gemma else "silu"):
+    raise ValueError(f"activation {activation!r} is not supported for "
+                     f"{model_type}.")
+  if hf.get("mlp_bias", False) or (model_type != "qwen2"
+                                    and hf.get("attention_bias", False)):
+    raise ValueError(f"{model_type} with attention_bias or mlp_bias is not "
+                     "supported.")
+  if hf.get("use_sliding_window", False) and model_type in ("qwen2", "qwen3"):
+    raise ValueError(f"{model_type} sliding-window attention "
+                     "(use_sliding_window) is not supported.")
+  if hf.get("use_bidirectional_attention"):
+    raise ValueError("bidirectional attention is not supported.")
+  theta, scaling = _rope(hf, "full_attention" if gemma else None)
+  common = dict(
       vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
       num_layers=hf["num_hidden_layers"], num_heads=heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
       d_ff=hf["intermediate_size"], max_len=hf["max_position_embeddings"],
       dtype=dtype, norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6),
       position="rope", rope_theta=theta, rope_scaling=scaling, mlp="swiglu",
-      num_kv_heads=hf.get("num_key_value_heads") or heads, qkv_bias=qkv_bias,
-      bias=False, tie_embeddings=hf.get("tie_word_embeddings", False))
+      num_kv_heads=hf.get("num_key_value_heads") or heads,
+      qkv_bias=model_type == "qwen2", bias=False,
+      tie_embeddings=hf.get("tie_word_embeddings", gemma),
+      qk_norm=model_type in ("qwen3", "gemma3_text"))
+  if model_type == "mistral":
+    common.update(sliding_window=hf.get("sliding_window"))
+  if gemma:
+    every = 6 if model_type == "gemma3_text" else 2
+    layer_types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % hf.get("sliding_window_pattern", every)
+        == 0 else "sliding_attention" for i in range(hf["num_hidden_layers"])]
+    common.update(
+        norm="gemma_rms", mlp="geglu", post_norms=True, embed_scale=True,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        sliding_window=hf.get("sliding_window", 4096),
+        layer_types=tuple(_LAYER_TYPES[t] for t in layer_types),
+        attn_softcap=hf.get("attn_logit_softcapping"),
+        final_softcap=hf.get("final_logit_softcapping"))
+  if model_type == "gemma3_text":
+    local_theta, local_scaling = _rope(
+        dict(hf, rope_theta=hf.get("rope_local_base_freq", 10_000.0),
+             rope_scaling=None), "sliding_attention")
+    if local_scaling is not None:
+      raise ValueError("rope scaling on Gemma 3's sliding layers is not "
+                       "supported.")
+    common.update(rope_local_theta=local_theta)
+  return TransformerConfig(**common)
 
 
 def config_to_hf(config: TransformerConfig) -> dict:
@@ -145,17 +197,41 @@ def config_to_hf(config: TransformerConfig) -> dict:
         "dtype": config.dtype,
     }
   rope = {"rope_type": "default", "rope_theta": config.rope_theta}
-  if config.rope_scaling is not None:
-    scaling = config.rope_scaling
+  scaling = config.rope_scaling
+  if scaling is not None and scaling.kind == "linear":
+    rope = {"rope_type": "linear", "rope_theta": config.rope_theta,
+            "factor": scaling.factor}
+  elif scaling is not None:
     rope = {"rope_type": "llama3", "rope_theta": config.rope_theta,
             "factor": scaling.factor,
             "low_freq_factor": scaling.low_freq_factor,
             "high_freq_factor": scaling.high_freq_factor,
             "original_max_position_embeddings": scaling.original_max_len}
+  architecture = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3",
+                  "mistral": "Mistral", "gemma2": "Gemma2",
+                  "gemma3_text": "Gemma3"}[kind] + "ForCausalLM"
+  extra = {}
+  if kind == "mistral":
+    extra = {"sliding_window": config.sliding_window}
+  if kind in ("gemma2", "gemma3_text"):
+    names = {ours: theirs for theirs, ours in _LAYER_TYPES.items()}
+    extra = {"hidden_activation": "gelu_pytorch_tanh",
+             # An int where it is one: transformers' config type-checks it.
+             "query_pre_attn_scalar": _int_if_whole(
+                 config.query_pre_attn_scalar or config.head_dim),
+             "sliding_window": config.sliding_window,
+             "layer_types": [names[t] for t in config.layer_types],
+             "attn_logit_softcapping": config.attn_softcap,
+             "final_logit_softcapping": config.final_softcap}
+  if kind == "gemma3_text":
+    local = {"rope_type": "default",
+             "rope_theta": config.rope_local_theta or config.rope_theta}
+    extra.update(rope_local_base_freq=local["rope_theta"])
+    rope = {"full_attention": rope, "sliding_attention": local}
   return {
-      "architectures": ["Qwen2ForCausalLM" if kind == "qwen2"
-                        else "LlamaForCausalLM"],
+      "architectures": [architecture], **extra,
       "model_type": kind, "vocab_size": config.vocab_size,
+      "head_dim": config.head_dim,
       "hidden_size": config.d_model, "num_hidden_layers": config.num_layers,
       "num_attention_heads": config.num_heads,
       "num_key_value_heads": config.num_kv_heads,
@@ -165,9 +241,14 @@ def config_to_hf(config: TransformerConfig) -> dict:
       "tie_word_embeddings": config.tie_embeddings,
       # Both styles, so older and newer transformers read it alike.
       "rope_theta": config.rope_theta, "rope_parameters": rope,
-      "rope_scaling": rope if config.rope_scaling is not None else None,
+      "rope_scaling": (rope if config.rope_scaling is not None
+                       and kind != "gemma3_text" else None),
       "dtype": config.dtype,
   }
+
+
+def _int_if_whole(x: float) -> int | float:
+  return int(x) if float(x).is_integer() else x
 
 
 def _tensor_names(config: TransformerConfig) -> dict[tuple, list[str]]:
@@ -190,17 +271,27 @@ def _tensor_names(config: TransformerConfig) -> dict[tuple, list[str]]:
     names[("ln_final", "bias")] = ["ln_f.bias"]
     return names
   names[("embed", "embedding")] = ["model.embed_tokens.weight"]
+  # Gemma's post_attention_layernorm follows the attention; Llama's, under
+  # the same name, precedes the MLP.
+  norms = {"ln_attn": "input_layernorm", "ln_mlp": "post_attention_layernorm"}
+  if config.post_norms:
+    norms = {"ln_attn": "input_layernorm",
+             "post_attn": "post_attention_layernorm",
+             "ln_mlp": "pre_feedforward_layernorm",
+             "post_mlp": "post_feedforward_layernorm"}
+  if config.qk_norm:
+    norms.update(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
   for i in range(config.num_layers):
     prefix = f"model.layers.{i}."
     block = f"block_{i}"
-    names[(block, "ln_attn", "scale")] = [prefix + "input_layernorm.weight"]
+    for ours, theirs in norms.items():
+      names[(block, ours, "scale")] = [f"{prefix}{theirs}.weight"]
     names[(block, "qkv", "kernel")] = [
         f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"]
     if config.qkv_bias:
       names[(block, "qkv", "bias")] = [
           f"{prefix}self_attn.{p}_proj.bias" for p in "qkv"]
     names[(block, "attn_out", "kernel")] = [prefix + "self_attn.o_proj.weight"]
-    names[(block, "ln_mlp", "scale")] = [prefix + "post_attention_layernorm.weight"]
     names[(block, "mlp_in", "kernel")] = [prefix + "mlp.gate_proj.weight",
                                         prefix + "mlp.up_proj.weight"]
     names[(block, "mlp_out", "kernel")] = [prefix + "mlp.down_proj.weight"]
@@ -312,16 +403,44 @@ def _read_tensors(folder: pathlib.Path) -> dict:
   return tensors
 
 
-def load_eos_id(path) -> int | None:
-  """The checkpoint's end-of-sequence id (the first, if it lists several)."""
+def load_stop_ids(path) -> tuple[int, ...]:
+  """The checkpoint's end-of-sequence ids, in its order (chat models often
+  list the end of turn too)."""
   folder = _local_folder(path)
   eos = None
   for name in ("config.json", "generation_config.json"):  # The latter wins.
     if (folder / name).exists():
       eos = json.loads((folder / name).read_text()).get("eos_token_id", eos)
-  if isinstance(eos, list):
-    eos = eos[0] if eos else None
-  return eos
+  if eos is None:
+    return ()
+  return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def load_eos_id(path) -> int | None:
+  """The checkpoint's end-of-sequence id (the first, if it lists several)."""
+  stop_ids = load_stop_ids(path)
+  return stop_ids[0] if stop_ids else None
+
+
+def load_chat_template(folder: pathlib.Path) -> tuple[str | None, dict]:
+  """The chat template and the special tokens it may name, from
+  chat_template.jinja (newer transformers) or tokenizer_config.json."""
+  config = {}
+  if (folder / "tokenizer_config.json").exists():
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+  template = config.get("chat_template")
+  if (folder / "chat_template.jinja").exists():
+    template = (folder / "chat_template.jinja").read_text()
+  if isinstance(template, list):  # [{"name": "default", "template": ...}...]
+    template = {t["name"]: t["template"] for t in template}.get("default")
+  tokens = {}
+  for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+    token = config.get(name)
+    if isinstance(token, dict):  # A serialised AddedToken.
+      token = token.get("content")
+    if token is not None:
+      tokens[name] = token
+  return template, tokens
 
 
 def load_hf(path, dtype: str = "float32", mesh=None,
@@ -361,7 +480,9 @@ def load_hf(path, dtype: str = "float32", mesh=None,
   if mesh is not None:
     model = sharding.shard_model(model, mesh, replicate)
   tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
-  return ModelBundle(model, tokenizer, load_eos_id(folder))
+  chat_template, tokens = load_chat_template(folder)
+  return ModelBundle(model, tokenizer, load_stop_ids(folder), chat_template,
+                     tokens)
 
 
 def save_hf(path, model: Model, tokenizer: tokenizers.Tokenizer,

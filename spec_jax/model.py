@@ -22,13 +22,24 @@ one row, after prefill of "a b c" padded to 5 and a rejected draft "x y":
 Layers are separate parameter and cache arrays, unrolled in Python: on CPU this
 was measurably faster than `lax.scan` over stacked layers (see README).
 
-One block covers three families of published checkpoints, chosen by config
+One block covers the families of published checkpoints, chosen by config
 switches whose defaults are GPT-2's (and the built-in pair's):
 
-  GPT-2   LayerNorm, learned positions, GELU MLP, biases, tied embeddings;
-  Llama   RMSNorm, rotary positions (with Llama-3 scaling), SwiGLU MLP,
-          grouped-query attention, no biases, tied or untied embeddings;
-  Qwen2   Llama with biases on the query, key and value projections.
+  GPT-2    LayerNorm, learned positions, GELU MLP, biases, tied embeddings;
+  Llama    RMSNorm, rotary positions (with Llama-3 scaling), SwiGLU MLP,
+           grouped-query attention, no biases, tied or untied embeddings;
+  Qwen2    Llama with biases on the query, key and value projections;
+  Qwen3    Llama with RMSNorm on each query and key head;
+  Mistral  Llama with sliding-window attention;
+  Gemma 2  (1 + w) RMSNorm, also after attention and after the MLP, GeGLU,
+           embeddings scaled by sqrt(d_model), query_pre_attn_scalar,
+           sliding and global layers alternating, logit soft-capping;
+  Gemma 3  Gemma 2 with query/key norms instead of soft-capping, and local
+           layers with their own rotary base.
+
+Sliding-window layers keep the full-length cache and mask by distance: a query
+at position t sees keys at positions t - window + 1 .. t. The mask is made once
+per call, next to the causal one, and each block takes the one of its type.
 """
 
 import dataclasses
@@ -48,17 +59,29 @@ _MASKED = -1e30
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-  """Llama-3's rotary frequency scaling (HF rope_type "llama3").
+  """Rotary frequency scaling: Llama-3's (HF rope_type "llama3") or linear.
 
-  Wavelengths longer than original_max_len / low_freq_factor are stretched by
-  `factor`, those shorter than original_max_len / high_freq_factor are kept,
-  and the ones between are interpolated.
+  llama3: wavelengths longer than original_max_len / low_freq_factor are
+    stretched by `factor`, those shorter than original_max_len /
+    high_freq_factor are kept, and the ones between are interpolated.
+  linear: every frequency is divided by `factor` (Gemma 3's global layers).
   """
 
   factor: float
-  low_freq_factor: float
-  high_freq_factor: float
-  original_max_len: int
+  low_freq_factor: float | None = None
+  high_freq_factor: float | None = None
+  original_max_len: int | None = None
+  kind: str = "llama3"
+
+  def __post_init__(self):
+    if self.kind not in ("llama3", "linear"):
+      raise ValueError(f"RopeScaling kind={self.kind!r}; expected 'llama3' or "
+                       "'linear'.")
+    llama3 = (self.low_freq_factor, self.high_freq_factor,
+              self.original_max_len)
+    if self.kind == "llama3" and None in llama3:
+      raise ValueError("llama3 rope scaling needs low_freq_factor, "
+                       "high_freq_factor and original_max_len.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,12 +98,16 @@ class TransformerConfig:
   d_ff: int = 1024
   max_len: int = 1024  # Positions the model supports (learned table rows).
   dtype: str = "float32"  # Parameter and activation dtype.
-  norm: str = "layer"  # "layer" (LayerNorm) or "rms" (RMSNorm).
+  # "layer" (LayerNorm), "rms" (RMSNorm), or "gemma_rms" (RMSNorm scaling by
+  # 1 + w, computed in float32, as Gemma's).
+  norm: str = "layer"
   norm_eps: float = 1e-6
   position: str = "learned"  # "learned" table or "rope" (rotary).
   rope_theta: float = 10_000.0
   rope_scaling: RopeScaling | None = None
-  mlp: str = "gelu"  # "gelu" (tanh approximation) or "swiglu".
+  # "gelu" (tanh approximation), "swiglu" (SiLU-gated) or "geglu" (tanh
+  # GELU-gated, Gemma's).
+  mlp: str = "gelu"
   num_kv_heads: int | None = None  # Key/value heads (GQA); None: num_heads.
   qkv_bias: bool = True  # Biases on the query, key and value projections.
   bias: bool = True  # Biases on the attention output and MLP projections.
@@ -94,6 +121,23 @@ class TransformerConfig:
   # contiguous split of the rows over a mesh axis splits by head (sharding.py
   # permutes the rows and sets this).
   qkv_head_major: bool = False
+  # RMSNorm over each query and key head (Qwen3, Gemma 3).
+  qk_norm: bool = False
+  # Norms after the attention and after the MLP too, before each residual add
+  # (Gemma 2 and 3: four norms per block).
+  post_norms: bool = False
+  embed_scale: bool = False  # Embeddings times sqrt(d_model) (Gemma).
+  # Scores are q.k / sqrt(query_pre_attn_scalar); None: head_dim.
+  query_pre_attn_scalar: float | None = None
+  # Keys a sliding layer sees: positions > query position - sliding_window.
+  sliding_window: int | None = None
+  # "full" or "sliding" for each layer; None: every layer slides if
+  # sliding_window is set (Mistral), else none does.
+  layer_types: tuple[str, ...] | None = None
+  # Rotary base of sliding layers; None: rope_theta.
+  rope_local_theta: float | None = None
+  attn_softcap: float | None = None  # Scores -> cap * tanh(scores / cap).
+  final_softcap: float | None = None  # Logits -> cap * tanh(logits / cap).
 
   def __post_init__(self):
     # Normalised here so that equal models have equal (hashable) configs and
@@ -102,8 +146,20 @@ class TransformerConfig:
       object.__setattr__(self, "num_kv_heads", self.num_heads)
     if isinstance(self.rope_scaling, dict):
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-    choices = {"norm": ("layer", "rms"), "position": ("learned", "rope"),
-               "mlp": ("gelu", "swiglu")}
+    if self.layer_types is not None:
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
+      if len(self.layer_types) != self.num_layers:
+        raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                         f"{self.num_layers} layers.")
+      if set(self.layer_types) - {"full", "sliding"}:
+        raise ValueError(f"layer_types={self.layer_types}; each must be "
+                         "'full' or 'sliding'.")
+      if "sliding" in self.layer_types and self.sliding_window is None:
+        raise ValueError("layer_types has sliding layers but sliding_window "
+                         "is None.")
+    choices = {"norm": ("layer", "rms", "gemma_rms"),
+               "position": ("learned", "rope"),
+               "mlp": ("gelu", "swiglu", "geglu")}
     for name, allowed in choices.items():
       if getattr(self, name) not in allowed:
         raise ValueError(f"{name}={getattr(self, name)!r}; expected one of "
@@ -122,6 +178,14 @@ class TransformerConfig:
                        f"{self.head_dim}.")
     if self.rope_scaling is not None and self.position != "rope":
       raise ValueError("rope_scaling is set but position is not 'rope'.")
+    if self.qk_norm and self.norm == "layer":
+      raise ValueError("qk_norm needs norm='rms' or 'gemma_rms'.")
+
+  def is_sliding(self, layer: int) -> bool:
+    """Whether block `layer` attends through the sliding window."""
+    if self.layer_types is None:
+      return self.sliding_window is not None
+    return self.layer_types[layer] == "sliding"
 
 
 @flax.struct.dataclass
@@ -192,13 +256,22 @@ class Linear(nn.Module):
     return y
 
 
-def rope_frequencies(config: TransformerConfig) -> np.ndarray:
-  """[head_dim / 2] float32 rotary inverse frequencies, as HF computes them."""
+def rope_frequencies(config: TransformerConfig,
+                     sliding: bool = False) -> np.ndarray:
+  """[head_dim / 2] float32 rotary inverse frequencies, as HF computes them.
+
+  sliding: for a sliding layer, whose base is rope_local_theta (if set) and
+    which is never scaled (Gemma 3's local layers).
+  """
   dim = config.head_dim
-  inv_freq = 1.0 / (np.float32(config.rope_theta)
+  theta, scaling = config.rope_theta, config.rope_scaling
+  if sliding and config.rope_local_theta is not None:
+    theta, scaling = config.rope_local_theta, None
+  inv_freq = 1.0 / (np.float32(theta)
                     ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
-  scaling = config.rope_scaling
-  if scaling is not None:
+  if scaling is not None and scaling.kind == "linear":
+    inv_freq = inv_freq / np.float32(scaling.factor)
+  elif scaling is not None:
     wavelength = 2 * np.pi / inv_freq
     low = scaling.original_max_len / scaling.low_freq_factor
     high = scaling.original_max_len / scaling.high_freq_factor
@@ -224,7 +297,28 @@ def apply_rope(x: jax.Array, positions: jax.Array,
   return (x * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
+class GemmaRMSNorm(nn.Module):
+  """x / rms(x) * (1 + w), in float32 then cast back, as Gemma's RMSNorm.
+
+  The scale is stored as w (initialised to 0), Hugging Face's layout.
+  """
+
+  epsilon: float
+  dtype: str
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.zeros, (x.shape[-1],),
+                       self.dtype)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(
+        jnp.mean(jnp.square(x32), -1, keepdims=True) + self.epsilon)
+    return (normed * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+
+
 def _norm(config: TransformerConfig, name: str) -> nn.Module:
+  if config.norm == "gemma_rms":
+    return GemmaRMSNorm(config.norm_eps, config.dtype, name=name)
   if config.norm == "rms":
     return nn.RMSNorm(epsilon=config.norm_eps, dtype=config.dtype,
                       param_dtype=config.dtype, name=name)
@@ -232,10 +326,18 @@ def _norm(config: TransformerConfig, name: str) -> nn.Module:
                       param_dtype=config.dtype, name=name)
 
 
+def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
+  """cap * tanh(x / cap): bounds x smoothly to (-cap, cap) (Gemma 2)."""
+  return x if cap is None else cap * jnp.tanh(x / cap)
+
+
 class Block(nn.Module):
-  """Pre-norm attention and MLP: GPT-2's, or Llama's with its switches."""
+  """Pre-norm attention and MLP: GPT-2's, or Llama's and Gemma's with their
+  switches. `sliding`: this block's rotary base is the sliding layers' (the
+  caller passes it the sliding-window mask)."""
 
   config: TransformerConfig
+  sliding: bool = False
 
   @nn.compact
   def __call__(self, x, positions, slots, visible, keys, values):
@@ -260,31 +362,40 @@ class Block(nn.Module):
       q = q.reshape(batch, length, kv_heads, group, head_dim)
       k = k.reshape(batch, length, kv_heads, head_dim)
       v = v.reshape(batch, length, kv_heads, head_dim)
+    if cfg.qk_norm:  # Per head, before the rotation.
+      q, k = _norm(cfg, "q_norm")(q), _norm(cfg, "k_norm")(k)
     if cfg.position == "rope":
-      inv_freq = rope_frequencies(cfg)
+      inv_freq = rope_frequencies(cfg, self.sliding)
       q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions,
                                                             inv_freq)
     keys = _write(keys, jnp.swapaxes(k, 1, 2), slots)
     values = _write(values, jnp.swapaxes(v, 1, 2), slots)
 
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys) / math.sqrt(head_dim)
-    scores = jnp.where(visible[:, None, None], scores.astype(jnp.float32),
-                       _MASKED)
+    scale = math.sqrt(cfg.query_pre_attn_scalar or head_dim)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys) / scale
+    scores = _softcap(scores.astype(jnp.float32), cfg.attn_softcap)
+    scores = jnp.where(visible[:, None, None], scores, _MASKED)
     weights = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
     attended = jnp.einsum("bkgts,bksd->btkgd", weights, values)
     attended = attended.reshape(batch, length, heads * head_dim)
-    x = x + Linear(cfg.d_model, cfg.dtype, cfg.bias, name="attn_out")(attended)
+    h = Linear(cfg.d_model, cfg.dtype, cfg.bias, name="attn_out")(attended)
+    if cfg.post_norms:
+      h = _norm(cfg, "post_attn")(h)
+    x = x + h
 
     h = _norm(cfg, "ln_mlp")(x)
-    if cfg.mlp == "swiglu":
+    if cfg.mlp in ("swiglu", "geglu"):
       # Gate and up projections in one matmul, gate first.
       gate, up = jnp.split(
           Linear(2 * cfg.d_ff, cfg.dtype, cfg.bias, name="mlp_in")(h), 2, -1)
-      h = nn.silu(gate) * up
+      activation = nn.silu if cfg.mlp == "swiglu" else nn.gelu
+      h = activation(gate) * up
     else:
       h = nn.gelu(Linear(cfg.d_ff, cfg.dtype, cfg.bias, name="mlp_in")(h))
-    x = x + Linear(cfg.d_model, cfg.dtype, cfg.bias, name="mlp_out")(h)
-    return x, keys, values
+    h = Linear(cfg.d_model, cfg.dtype, cfg.bias, name="mlp_out")(h)
+    if cfg.post_norms:
+      h = _norm(cfg, "post_mlp")(h)
+    return x + h, keys, values
 
 
 def ancestor_mask(parents: jax.Array) -> jax.Array:
@@ -325,6 +436,24 @@ def visible_slots(slots: jax.Array, num_slots: int,
       jnp.broadcast_to(jnp.clip(offset, 0, slots.shape[1] - 1),
                        (slots.shape[0], slots.shape[1], num_slots)), axis=2)
   return jnp.where(is_new, among_new, offset < 0)
+
+
+def within_window(positions: jax.Array, slots: jax.Array, num_slots: int,
+                  window: int) -> jax.Array:
+  """[B, T, S] bool: the key slots within a sliding window of each query.
+
+  A key is within the window of a query at position t if its position is
+  greater than t - window. A cached slot holds the token at its own position,
+  except the T new tokens, which sit at `slots` but have `positions` (their
+  depth, when they form a tree). Combined with `visible_slots` by the caller.
+  """
+  slot = jnp.arange(num_slots)
+  offset = slot[None, :] - slots[:, :1]  # [B, S] index among the new tokens
+  is_new = (offset >= 0) & (offset < slots.shape[1])
+  new_position = jnp.take_along_axis(
+      positions, jnp.clip(offset, 0, slots.shape[1] - 1), axis=1)
+  key_position = jnp.where(is_new, new_position, slot[None, :])  # [B, S]
+  return key_position[:, None, :] > positions[:, :, None] - window
 
 
 class Transformer(nn.Module):
@@ -370,11 +499,17 @@ class Transformer(nn.Module):
     slots = (positions if parents is None
              else positions[:, :1] + jnp.arange(tokens.shape[1]))
     visible = visible_slots(slots, cache.keys[0].shape[2], parents)
+    if any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
+      local = visible & within_window(positions, slots, visible.shape[-1],
+                                      cfg.sliding_window)
     embed = nn.Embed(
         cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.dtype,
         embedding_init=nn.initializers.normal(0.02), name="embed",
     )
     x = embed(tokens)
+    if cfg.embed_scale:
+      # Rounded to the activation dtype first, as HF's Gemma does.
+      x = x * jnp.asarray(math.sqrt(cfg.d_model), cfg.dtype)
     if cfg.position == "learned":
       position_table = self.param(
           "positions", nn.initializers.normal(0.01), (cfg.max_len, cfg.d_model),
@@ -388,8 +523,10 @@ class Transformer(nn.Module):
     hidden = {}
     for i in range(cfg.num_layers if num_layers is None else num_layers):
       hidden[i] = x
-      x, keys[i], values[i] = Block(cfg, name=f"block_{i}")(
-          x, positions, slots, visible, keys[i], values[i]
+      sliding = cfg.is_sliding(i)
+      x, keys[i], values[i] = Block(cfg, sliding, name=f"block_{i}")(
+          x, positions, slots, local if sliding else visible, keys[i],
+          values[i]
       )
     hidden[len(hidden)] = x
     x = _norm(cfg, "ln_final")(x)
@@ -398,7 +535,7 @@ class Transformer(nn.Module):
     else:
       logits = Linear(cfg.vocab_size, cfg.dtype, use_bias=False,
                       name="lm_head")(x)
-    logits = logits.astype(jnp.float32)
+    logits = _softcap(logits.astype(jnp.float32), cfg.final_softcap)
     cache = KVCache(
         keys=tuple(keys), values=tuple(values), lengths=slots[:, -1] + 1
     )

@@ -44,9 +44,9 @@ def test_old_and_new_rope_keys_read_alike():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"model_type": "mistral"}, "model_type 'mistral'"),
+    ({"model_type": "phi3"}, "model_type 'phi3'"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"hidden_act": "gelu"}, "activation .gelu."),
     ({"mlp_bias": True}, "mlp_bias"),
 ])
 def test_unsupported_features_are_refused(change, message):

