@@ -19,7 +19,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  harness.setup_logging()
+  harness.setup()
   config = _CONFIG.value
   records.check_writable(_WORKDIR.value)
   rows = compare.compare_drafters(config)

@@ -20,7 +20,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  harness.setup_logging()
+  harness.setup()
   config = _CONFIG.value
   records.check_writable(_WORKDIR.value)
   report = hf_compare.compare(config, _WORKDIR.value)

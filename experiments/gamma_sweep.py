@@ -20,7 +20,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  harness.setup_logging()
+  harness.setup()
   config = _CONFIG.value
   config_lib.check(config)  # bad gammas fail before any loading
   records.check_writable(_WORKDIR.value)

@@ -9,6 +9,7 @@ spans every process's devices; only process 0 writes files.
 """
 
 import os
+import time
 
 from absl import app
 from absl import flags
@@ -16,7 +17,7 @@ import jax
 from ml_collections import config_flags
 
 from experiments import harness
-from experiments.harness import compare, loading, records
+from experiments.harness import compare, loading, plots, records
 from spec_jax import sharding
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.")
@@ -35,7 +36,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  harness.setup_logging()
+  harness.setup()
   config = _CONFIG.value
   if _DISTRIBUTED.value or any(flag.value is not None for flag in (
       _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID)):
@@ -49,18 +50,26 @@ def main(argv):
   mesh = sharding.make_mesh(sharding.MeshConfig(data=config.mesh.data,
                                                 model=config.mesh.model))
   sharding.check_batch(config.batch_size, mesh)
+  start = time.perf_counter()
   loaded = loading.load_models(config, mesh)
-  prompts = loading.load_prompts(config, loaded.target.tokenizer)
+  prompts = loading.load_prompt_set(config, loaded)
+  load_s = time.perf_counter() - start
   param_bytes, param_bytes_per_device = sharding.param_bytes(
       loaded.target.model.params)
   if lead:
-    print(f"{loaded.describe()}, {len(prompts)} prompts, mesh data="
+    print(f"{loaded.describe()}, {len(prompts.texts)} prompts, mesh data="
           f"{mesh.shape['data']} x model={mesh.shape['model']} over "
-          f"{jax.process_count()} process(es)", flush=True)
+          f"{jax.process_count()} process(es), loaded in {load_s:.1f} s",
+          flush=True)
   runs = compare.compare(config, loaded, prompts, mesh)
   if not lead:
     return
   print(compare.format_table(runs))
+  for run in runs:
+    print(f"compile seconds (first call less a timed one): AR "
+          f"{run['compile_s']['ar']:.1f}, SD {run['compile_s']['sd']:.1f}")
+    if "by_category" in run:
+      print(compare.format_category_table(run))
   for run in runs:
     for sample in run["samples"][:2]:
       print(f"\n--- T={run['temperature']:g} prompt ---\n{sample['prompt']}"
@@ -74,9 +83,14 @@ def main(argv):
       "num_processes": jax.process_count(),
       "target_param_bytes": param_bytes,
       "target_param_bytes_per_device": param_bytes_per_device,
+      "load_s": load_s,
       "runs": runs,
   })
   print(f"\nwrote {path}")
+  if prompts.categories is not None:
+    plots.save_figures(runs, _WORKDIR.value,
+                       {"categories.png": plots.categories_figure})
+    print(f"wrote {os.path.join(_WORKDIR.value, 'categories.png')}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  harness.setup_logging()
+  harness.setup()
   train.train(_CONFIG.value, _WORKDIR.value)
 
 

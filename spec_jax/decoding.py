@@ -325,17 +325,17 @@ def generate_autoregressive(
                                          resample=rejection.resample))
 
 
-def pad_prompts(prompts, multiple: int = 16,
-                min_width: int = 1) -> tuple[np.ndarray, np.ndarray]:
-  """Right-pads token lists to [B, P], P a multiple of `multiple`.
+def pad_prompts(prompts, min_width: int = 1) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads token lists to [B, P], P a power of two (at least 16).
 
-  Rounding P up means prompts of similar length share one compiled program;
-  min_width gives several batches one width, hence one program.
+  Widths fall into a few buckets, so prompts of similar length share one
+  compiled program (each new width compiles the decode loop anew); min_width
+  gives several batches one width, hence one program.
   Returns int32 prompts [B, P] and lengths [B].
   """
   lengths = np.array([len(p) for p in prompts], np.int32)
-  width = max(min_width, int(lengths.max(initial=0)))
-  width = -(-width // multiple) * multiple
+  width = max(min_width, int(lengths.max(initial=0)), 16)
+  width = 1 << (width - 1).bit_length()
   padded = np.zeros((len(prompts), width), np.int32)
   for row, prompt in zip(padded, prompts):
     row[:len(prompt)] = prompt

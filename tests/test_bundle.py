@@ -7,7 +7,7 @@ import jinja2
 import pytest
 
 import spec_jax as sj
-from spec_jax import checkpoint, evaluation, hf
+from spec_jax import checkpoint, hf, pretrained
 from spec_jax.bundle import ModelBundle
 
 # Uses what real templates use: a system message, raise_exception, loop
@@ -33,7 +33,7 @@ CHAT = [{"role": "system", "content": "Be terse."},
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-  draft, tokenizer = checkpoint.load_model(evaluation.PRETRAINED / "draft")
+  draft, tokenizer = checkpoint.load_model(pretrained.ROOT / "draft")
   path = tmp_path_factory.mktemp("draft")
   hf.save_hf(path, draft, tokenizer)
   return path

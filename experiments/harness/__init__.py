@@ -4,11 +4,26 @@ one place (records.py, plots.py). The absl entry points in experiments/ and the
 notebooks call these; spec_jax itself never imports them."""
 
 import logging
+import os
+
+from absl import flags
+
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache", os.path.expanduser("~/.cache/spec_jax/xla"),
+    "Directory of JAX's persistent compilation cache, so that a second run "
+    "of a command loads its compiled programs instead of compiling them "
+    "again; '' turns it off.")
 
 
-def setup_logging() -> None:
-  """Progress lines from the harness at INFO; orbax's INFO lines (through
-  absl's logger) stay quiet. Call from an entry point's main."""
+def setup() -> None:
+  """What every entry point's main does first: progress lines from the
+  harness at INFO, with orbax's INFO lines (through absl's logger) kept
+  quiet, and the persistent compilation cache."""
   from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("experiments").setLevel(logging.INFO)
+  if _COMPILATION_CACHE.value:
+    jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE.value)
+    # Cache every program that took a second or more to compile.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

@@ -17,20 +17,23 @@ from spec_jax.stats import DecodeStats
 _log = logging.getLogger(__name__)
 
 
-def encode(prompts: list[str], tokenizer) -> list[list[int]]:
-  return [tokenizer.encode(p).ids or [0] for p in prompts]
+def encode(prompts: loading.Prompts, tokenizer) -> list[list[int]]:
+  return [tokenizer.encode(p, add_special_tokens=prompts.special_tokens).ids
+          or [0] for p in prompts.texts]
 
 
-def batches(prompt_ids: list[list[int]], batch_size: int,
-            width: int) -> list[tuple[np.ndarray, np.ndarray]]:
-  """(prompts [B, width], lengths [B]) per batch. Every batch is padded to
-  one width and a full batch (the last repeats its last prompt), so one
-  compiled program serves all."""
+def batches(prompt_ids: list[list[int]], batch_size: int, width: int,
+            groups: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+  """(prompts [B, width], lengths [B]) per batch, each batch drawn from one
+  group of prompt indices (a category), so that its time is the category's.
+  Every batch is padded to one width and is full (the last of a group
+  repeats its last prompt), so one compiled program serves all."""
   result = []
-  for start in range(0, len(prompt_ids), batch_size):
-    batch = prompt_ids[start:start + batch_size]
-    batch = batch + [batch[-1]] * (batch_size - len(batch))
-    result.append(pad_prompts(batch, min_width=width))
+  for group in groups:
+    for start in range(0, len(group), batch_size):
+      batch = [prompt_ids[i] for i in group[start:start + batch_size]]
+      batch = batch + [batch[-1]] * (batch_size - len(batch))
+      result.append(pad_prompts(batch, min_width=width))
   return result
 
 
@@ -46,66 +49,114 @@ def decoders(loaded: loading.Loaded, decode_config: DecodeConfig, key,
   }
 
 
-def rows(results: list[DecodeResult], count: int) -> list[list[int]]:
-  """The first `count` rows' emitted tokens."""
-  out = []
-  for result in results:
-    for tokens, n in zip(np.asarray(result.tokens),
-                         np.asarray(result.num_tokens)):
-      out.append(tokens[:n].tolist())
-  return out[:count]
+def rows(results: list[DecodeResult], batch_size: int,
+         groups: list[list[int]]) -> list[list[int]]:
+  """Each prompt's emitted tokens, in prompt order."""
+  emitted = [[tokens[:n].tolist() for tokens, n in zip(
+      np.asarray(r.tokens), np.asarray(r.num_tokens))] for r in results]
+  out, batch = {}, 0
+  for group in groups:
+    for start in range(0, len(group), batch_size):
+      for index, row in zip(group[start:start + batch_size], emitted[batch]):
+        out[index] = row
+      batch += 1
+  return [out[i] for i in sorted(out)]
 
 
-def run_record(decode_config: DecodeConfig, batch_size: int, prompts,
-               timed: dict) -> dict:
-  """One RUN of the results file, from `timing.interleave`'s output."""
-  (ar_results, ar_seconds), (sd_results, sd_seconds) = timed["ar"], timed["sd"]
-  ar_rows, sd_rows = rows(ar_results, len(prompts)), rows(sd_results,
-                                                          len(prompts))
+def _totals(ar_rows, sd_rows, ar_seconds, sd_seconds, sd_stats,
+            batch_size: int) -> dict:
+  """AR and SD totals over some prompts and the batches that ran them."""
   ar_tokens, sd_tokens = sum(map(len, ar_rows)), sum(map(len, sd_rows))
   # The AR loop runs until a batch's longest row ends.
   ar_steps = sum(max(map(len, ar_rows[i:i + batch_size]))
                  for i in range(0, len(ar_rows), batch_size))
-  summary = DecodeStats.merge([r.stats for r in sd_results]).summary()
   return {
-      "temperature": decode_config.sampling.temperature,
-      "gamma": decode_config.gamma,
-      "batch_size": batch_size,
-      "num_batches": len(sd_results),
       "ar": {"tokens_per_s": ar_tokens / ar_seconds, "new_tokens": ar_tokens,
              "wall_s": ar_seconds, "steps": ar_steps},
       # Counts and ratios of spec_jax.stats; "cycles" counts loop
       # iterations, "row_cycles" the cycles of each row, summed.
       "sd": {"tokens_per_s": sd_tokens / sd_seconds, "new_tokens": sd_tokens,
-             "wall_s": sd_seconds, **summary},
+             "wall_s": sd_seconds,
+             **DecodeStats.merge(sd_stats).summary()},
       "speedup": (sd_tokens / sd_seconds) / (ar_tokens / ar_seconds),
-      "samples": [{"prompt": p, "ar_tokens": a, "sd_tokens": s}
-                  for p, a, s in zip(prompts, ar_rows, sd_rows)],
   }
 
 
+def run_record(decode_config: DecodeConfig, batch_size: int,
+               prompts: loading.Prompts, groups: list[list[int]],
+               timed: dict) -> dict:
+  """One RUN of the results file, from `timing.interleave`'s output; with
+  categories, the same totals per category too."""
+  (ar_results, ar_seconds, ar_batches) = timed["ar"]
+  (sd_results, sd_seconds, sd_batches) = timed["sd"]
+  ar_rows = rows(ar_results, batch_size, groups)
+  sd_rows = rows(sd_results, batch_size, groups)
+  record = {
+      "temperature": decode_config.sampling.temperature,
+      "gamma": decode_config.gamma,
+      "batch_size": batch_size,
+      "num_batches": len(sd_results),
+      **_totals(ar_rows, sd_rows, ar_seconds, sd_seconds,
+                [r.stats for r in sd_results], batch_size),
+  }
+  if prompts.categories is not None:
+    record["by_category"], first = {}, 0
+    for group in groups:
+      count = -(-len(group) // batch_size)
+      span = slice(first, first + count)
+      record["by_category"][prompts.categories[group[0]]] = _totals(
+          [ar_rows[i] for i in group], [sd_rows[i] for i in group],
+          sum(ar_batches[span]), sum(sd_batches[span]),
+          [r.stats for r in sd_results[span]], batch_size)
+      first += count
+  record["samples"] = [
+      {"prompt": p, "ar_tokens": a, "sd_tokens": s}
+      | ({"category": prompts.categories[i]} if prompts.categories else {})
+      for i, (p, a, s) in enumerate(zip(prompts.texts, ar_rows, sd_rows))]
+  return record
+
+
+def groups_of(prompts: loading.Prompts) -> list[list[int]]:
+  """Prompt indices by category, in order of first appearance; one group
+  without categories."""
+  if prompts.categories is None:
+    return [list(range(len(prompts.texts)))]
+  groups = {}
+  for index, category in enumerate(prompts.categories):
+    groups.setdefault(category, []).append(index)
+  return list(groups.values())
+
+
 def compare_at(config: ml_collections.ConfigDict, loaded: loading.Loaded,
-               prompts: list[str], temperature: float, *, gamma=None,
+               prompts, temperature: float, *, gamma=None,
                seed_offset: int = 0, mesh=None, timers=()) -> dict:
   """AR and SD at one temperature (and gamma), timed side by side.
 
-  Each decode is compiled and warmed up on the first batch before timing;
+  prompts: a `loading.Prompts`, or a list of prompt texts.
+  Each decode is compiled and warmed up on the first batch before timing
+  (the record's compile_s: that call's time less the batch's timed run);
   `timers` time a round after every batch (see `timing.interleave`).
   """
+  prompts = loading.Prompts.of(prompts)
   prompt_ids = encode(prompts, loaded.target.tokenizer)
   width = pad_prompts(prompt_ids)[0].shape[1]
   decode_config = config_lib.decode_config(
       config, temperature, gamma=gamma, eos_id=loaded.target.stop_ids)
   run = decoders(loaded, decode_config,
                  jax.random.key(config.seed + seed_offset), mesh)
-  all_batches = batches(prompt_ids, config.batch_size, width)
-  timing.interleave(run, all_batches[:1])  # compiles outside the timing
+  groups = groups_of(prompts)
+  all_batches = batches(prompt_ids, config.batch_size, width, groups)
+  warmup = timing.interleave(run, all_batches[:1])
   timed = timing.interleave(run, all_batches, config.timing_repeats, timers)
-  return run_record(decode_config, config.batch_size, prompts, timed)
+  record = run_record(decode_config, config.batch_size, prompts, groups,
+                      timed)
+  record["compile_s"] = {name: warmup[name][1] - timed[name][2][0]
+                         for name in run}
+  return record
 
 
 def compare(config: ml_collections.ConfigDict, loaded: loading.Loaded,
-            prompts: list[str], mesh=None) -> list[dict]:
+            prompts, mesh=None) -> list[dict]:
   """AR and SD on the same prompts and settings, one RUN per temperature.
 
   With a mesh (the one the pair was loaded on), batches are split over it.
@@ -158,6 +209,20 @@ def format_drafter_table(result: list[dict]) -> str:
         f"{r['alpha_min_pq']:>6.3f} {r['tokens_per_cycle']:>5.2f} "
         f"{r['ar_tokens_per_s']:>8.1f} {r['sd_tokens_per_s']:>8.1f} "
         f"{r['speedup']:>6.2f}x")
+  return "\n".join(lines)
+
+
+def format_category_table(run: dict) -> str:
+  lines = [f"T={run['temperature']:g}, gamma {run['gamma']}",
+           f"{'category':<16} {'alpha':>6} {'accept':>6} {'tau':>5} "
+           f"{'AR tok/s':>9} {'SD tok/s':>9} {'speedup':>7}"]
+  for category, totals in run["by_category"].items():
+    sd = totals["sd"]
+    lines.append(
+        f"{category:<16} {sd['mean_overlap']:>6.3f} "
+        f"{sd['acceptance_rate']:>6.3f} {sd['tokens_per_cycle']:>5.2f} "
+        f"{totals['ar']['tokens_per_s']:>9.1f} {sd['tokens_per_s']:>9.1f} "
+        f"{totals['speedup']:>6.2f}x")
   return "\n".join(lines)
 
 

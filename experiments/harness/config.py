@@ -50,8 +50,10 @@ def base_config() -> ml_collections.ConfigDict:
   config.timing_repeats = 1
   # Tokens generated per prompt (a row also stops at end-of-text).
   config.max_new_tokens = 96
-  # Prompts: one per line from prompts_file, else num_prompts held-out slices
-  # of prompt_tokens tokens from the corpus ("" is the standard library).
+  # Prompts: one per line from prompts_file, or a Spec-Bench style .jsonl
+  # of questions by category (num_prompts per category); else num_prompts
+  # held-out slices of prompt_tokens tokens from the corpus ("" is the
+  # standard library).
   config.prompts_file = ""
   config.num_prompts = 8
   config.prompt_tokens = 64
@@ -60,6 +62,8 @@ def base_config() -> ml_collections.ConfigDict:
   # Follow each held-out prompt with its first lines again, as when a file is
   # re-emitted with an edit: the input prompt lookup is made for.
   config.repeat_prompts = False
+  # Wrap .jsonl questions in the target's own chat template.
+  config.chat = False
   config.seed = 0
   # Device mesh: data x model must equal the device count; -1 fills one axis.
   # Batch rows are split over data, heads / MLP / vocab over model (see

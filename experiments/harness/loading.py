@@ -7,15 +7,21 @@ One dispatch on where a model comes from: 'hf:DIR' is a Hugging Face folder
 """
 
 import dataclasses
+import json
 import pathlib
 
+import jax
 import ml_collections
+import numpy as np
 
 from experiments.harness import config as config_lib
 from experiments.harness import data
 from spec_jax import checkpoint, gguf, hf, pretrained, sharding
+from spec_jax.decoding import (DecodeConfig, generate_autoregressive,
+                               pad_prompts)
+from spec_jax.bundle import ModelBundle
 from spec_jax.drafters import LayerSkipDrafter, ModelDrafter, NgramDrafter
-from spec_jax.hf import ModelBundle
+from spec_jax.sampling import Sampling
 
 
 def load(path: str, mesh=None, replicate: bool = False,
@@ -125,6 +131,89 @@ def load_models(config: ml_collections.ConfigDict, mesh=None) -> Loaded:
   else:
     target, draft = load(config.target, mesh, name="target"), None
   return Loaded(target, make_drafter(config, target.model, draft))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+  """Prompt texts, with their categories when the prompts file gives them."""
+
+  texts: list[str]
+  categories: list[str] | None = None
+  # Whether the tokenizer adds its special tokens (BOS): not for text that a
+  # chat template rendered, which writes them itself.
+  special_tokens: bool = True
+
+  @classmethod
+  def of(cls, prompts) -> "Prompts":
+    return prompts if isinstance(prompts, cls) else cls(list(prompts))
+
+
+def load_prompt_set(config: ml_collections.ConfigDict,
+                    loaded: Loaded) -> Prompts:
+  """The prompts the config names: a Spec-Bench style .jsonl file of
+  questions by category (`load_questions`), or `load_prompts`' texts."""
+  if config.prompts_file.endswith(".jsonl"):
+    return load_questions(config, loaded.target)
+  return Prompts(load_prompts(config, loaded.target.tokenizer))
+
+
+def _read_questions(config: ml_collections.ConfigDict) -> list[dict]:
+  """Up to config.num_prompts questions per category, in file order."""
+  path = pathlib.Path(config.prompts_file)
+  if not path.exists():
+    raise FileNotFoundError(f"prompts_file {path} does not exist.")
+  questions, counts = [], {}
+  for number, line in enumerate(path.read_text().splitlines(), 1):
+    if not line.strip():
+      continue
+    question = json.loads(line)
+    if not question.get("turns") or "category" not in question:
+      raise ValueError(f"{path}:{number}: a question needs 'category' and "
+                       "'turns' (Spec-Bench's question.jsonl format).")
+    counts[question["category"]] = counts.get(question["category"], 0) + 1
+    if counts[question["category"]] <= config.num_prompts:
+      questions.append(question)
+  return questions
+
+
+def _reply(bundle: ModelBundle, messages: list[dict],
+           max_new_tokens: int) -> str:
+  """The target's greedy reply to a conversation."""
+  ids, lengths = pad_prompts([bundle.encode_chat(messages)])
+  result = generate_autoregressive(
+      jax.random.key(0), bundle.model, ids, lengths,
+      DecodeConfig(max_new_tokens=max_new_tokens, eos_id=bundle.stop_ids,
+                   sampling=Sampling(temperature=0.0)))
+  tokens = np.asarray(result.tokens[0, :int(result.num_tokens[0])])
+  return bundle.tokenizer.decode(
+      [t for t in tokens.tolist() if t not in bundle.stop_ids])
+
+
+def load_questions(config: ml_collections.ConfigDict,
+                   bundle: ModelBundle) -> Prompts:
+  """Questions from a Spec-Bench style .jsonl file ({"category", "turns"}).
+
+  With config.chat, each becomes the model's chat template around its turns;
+  for a multi-turn question the earlier turns get the target's own greedy
+  replies (untimed), and the last turn's reply is what is measured, as
+  Spec-Bench measures each turn after the previous ones. Without chat, the
+  turns are joined as plain text.
+  """
+  texts, categories = [], []
+  for question in _read_questions(config):
+    turns = question["turns"]
+    categories.append(question["category"])
+    if not config.chat:
+      texts.append("\n\n".join(turns))
+      continue
+    messages = []
+    for turn in turns[:-1]:
+      messages.append({"role": "user", "content": turn})
+      messages.append({"role": "assistant", "content": _reply(
+          bundle, messages, config.max_new_tokens)})
+    messages.append({"role": "user", "content": turns[-1]})
+    texts.append(bundle.apply_chat_template(messages))
+  return Prompts(texts, categories, special_tokens=not config.chat)
 
 
 def load_prompts(config: ml_collections.ConfigDict, tokenizer) -> list[str]:

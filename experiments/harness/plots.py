@@ -101,6 +101,30 @@ def drafters_figure(rows) -> Figure:
   return figure
 
 
+def categories_figure(runs) -> Figure:
+  """Speedup (bars) and tau (labels) per prompt category, one bar per
+  temperature, from the main job's runs."""
+  categories = list(runs[0]["by_category"])
+  figure = Figure(figsize=(7, 0.5 * len(categories) + 1.5),
+                  layout="constrained")
+  axes = figure.add_subplot()
+  height = 0.8 / len(runs)
+  for index, run in enumerate(runs):
+    totals = [run["by_category"][c] for c in categories]
+    y = np.arange(len(categories)) + index * height
+    bars = axes.barh(y, [t["speedup"] for t in totals], height,
+                     label=f"T={run['temperature']:g}, gamma={run['gamma']}")
+    axes.bar_label(bars, [f"tau {t['sd']['tokens_per_cycle']:.2f}"
+                          for t in totals], padding=3, fontsize=8)
+  axes.set_yticks(np.arange(len(categories)) + 0.4 - height / 2, categories)
+  axes.invert_yaxis()
+  axes.axvline(1.0, color="gray", lw=0.8)
+  axes.set(title="Speedup over autoregressive decoding by task",
+           xlabel="speedup (x)")
+  axes.legend()
+  return figure
+
+
 FIGURES = {
     "tokens_per_cycle.png": tokens_per_cycle_figure,
     "speedup.png": speedup_figure,

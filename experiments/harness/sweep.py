@@ -125,7 +125,7 @@ def _measure(config, gamma: int, temperature: float, loaded: loading.Loaded,
 
 
 def gamma_sweep(config: ml_collections.ConfigDict, loaded: loading.Loaded,
-                prompts: list[str]) -> dict:
+                prompts) -> dict:
   """Runs every (temperature, gamma) of config on the same prompts.
 
   Returns {"rows", "best_gamma_measured", "best_gamma_predicted"} and logs a
@@ -133,6 +133,7 @@ def gamma_sweep(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   """
   gammas = config_lib.gammas(config)
   temperatures = config_lib.temperatures(config)
+  prompts = loading.Prompts.of(prompts)
   prompt_ids = compare.encode(prompts, loaded.target.tokenizer)
   width = pad_prompts(prompt_ids)[0].shape[1]
   total = len(gammas) * len(temperatures)

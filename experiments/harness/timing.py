@@ -46,40 +46,38 @@ def interleave(decoders: dict, batches: list, repeats: int = 1,
   """Runs each decoder over every batch, `repeats` times, taking turns.
 
   Batch by batch the decoders take turns, and before the first batch and
-  after each batch every timer in `timers` (objects with `time_round()`, such as `CycleTimer`) times a
-  round, so that a slow spell of the machine, which on a shared machine lasts
-  seconds, hits all of them alike. A decoder's time is the median over
-  repeats of its time for all the batches: component times are medians too,
-  so measured and predicted speedups compare like with like. Compile first
-  (run each decoder once on a batch of the same shape), so that no
-  compilation falls inside the timing.
+  after each batch every timer in `timers` (objects with `time_round()`, such
+  as `CycleTimer`) times a round, so that a slow spell of the machine, which
+  on a shared machine lasts seconds, hits all of them alike. A decoder's
+  time is the median over repeats of its time for all the batches: component
+  times are medians too, so measured and predicted speedups compare like
+  with like. Compile first (run each decoder once on a batch of the same
+  shape), so that no compilation falls inside the timing.
 
   Args:
     decoders: {name: fn(*batch) -> result}.
     batches: argument tuples, one per batch.
 
   Returns:
-    {name: (results of the first repeat, median seconds)}.
+    {name: (results of the first repeat, median seconds for all batches,
+    [median seconds of each batch])}.
   """
   results = {name: [] for name in decoders}
-  totals = {name: [] for name in decoders}
+  seconds = {name: np.zeros((repeats, len(batches))) for name in decoders}
   # A round before the first batch too; it also waits for a timer still
   # compiling (`Deferred`), so that no compilation overlaps the timing.
   for timer in timers:
     timer.time_round()
   for repeat in range(repeats):
-    seconds = dict.fromkeys(decoders, 0.0)
-    for batch in batches:
+    for index, batch in enumerate(batches):
       for name, decode in decoders.items():
-        result, elapsed = timed(decode, *batch)
-        seconds[name] += elapsed
+        result, seconds[name][repeat, index] = timed(decode, *batch)
         if repeat == 0:
           results[name].append(result)
       for timer in timers:
         timer.time_round()
-    for name in decoders:
-      totals[name].append(seconds[name])
-  return {name: (results[name], float(np.median(totals[name])))
+  return {name: (results[name], float(np.median(seconds[name].sum(1))),
+                 np.median(seconds[name], 0).tolist())
           for name in decoders}
 
 
