@@ -92,9 +92,7 @@ def emission_probs(draft_tokens: jax.Array, draft_probs: jax.Array,
   stopping there has probability 0; the row falls back to p (no NaN).
   """
   residual, _ = _residuals(draft_tokens, draft_probs, target_probs)
-  mass = residual.sum(-1, keepdims=True)
-  return jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0),
-                   target_probs)
+  return sampling.normalized(residual, target_probs)
 
 
 def resample_block(

@@ -56,10 +56,7 @@ def correction_probs(
   the row falls back to p so that it is still a valid law (no NaN).
   """
   q = jnp.pad(draft_probs, ((0, 0), (0, 1), (0, 0)))  # q_{G+1} = 0.
-  residual = jnp.maximum(target_probs - q, 0.0)
-  mass = residual.sum(-1, keepdims=True)
-  return jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0),
-                   target_probs)
+  return sampling.normalized(jnp.maximum(target_probs - q, 0.0), target_probs)
 
 
 def resample(

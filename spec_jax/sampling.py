@@ -77,6 +77,13 @@ def categorical(key: jax.Array, probs: jax.Array) -> jax.Array:
   return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
 
 
+def normalized(probs: jax.Array, fallback: jax.Array) -> jax.Array:
+  """probs [..., V] >= 0 scaled to sum to 1, or `fallback` where their mass
+  is 0 (an empty residual: the event it is the law of has probability 0)."""
+  mass = probs.sum(-1, keepdims=True)
+  return jnp.where(mass > 0, probs / jnp.where(mass > 0, mass, 1.0), fallback)
+
+
 def probs_at(probs: jax.Array, tokens: jax.Array) -> jax.Array:
   """probs [..., V] at tokens [...] -> [...]: each token's probability."""
   return jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]

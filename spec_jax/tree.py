@@ -54,16 +54,12 @@ def tree_depth(parents: np.ndarray) -> int:
 
 def _without(s: jax.Array, token: jax.Array) -> jax.Array:
   """norm(s with token removed) [V]; zeros once nothing is left."""
-  s = s.at[token].set(0.0)
-  mass = s.sum()
-  return jnp.where(mass > 0, s / jnp.where(mass > 0, mass, 1.0), 0.0)
+  return sampling.normalized(s.at[token].set(0.0), 0.0)
 
 
 def _residual(r: jax.Array, s: jax.Array) -> jax.Array:
   """norm(max(0, r - s)) [V]; r itself where that is empty (r == s)."""
-  residual = jnp.maximum(r - s, 0.0)
-  mass = residual.sum()
-  return jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), r)
+  return sampling.normalized(jnp.maximum(r - s, 0.0), r)
 
 
 def _resample_row(key, tree_tokens, parents, draft_probs, target_probs, depth,

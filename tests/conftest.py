@@ -2,7 +2,9 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from scipy import stats
 
 import spec_jax as sj
 
@@ -43,3 +45,14 @@ def _perturb(params, key, scale):
 @pytest.fixture(scope="session")
 def pair():
   return tiny_pair()
+
+
+def pooled_chi_square_p_value(counts, expected):
+  """Pearson's test of counts against expected counts, pooling the cells
+  expected to hold fewer than 5 draws."""
+  small = expected < 5
+  counts = np.append(counts[~small], counts[small].sum())
+  expected = np.append(expected[~small], expected[small].sum())
+  keep = expected > 0
+  statistic = np.sum((counts[keep] - expected[keep])**2 / expected[keep])
+  return stats.chi2.sf(statistic, keep.sum() - 1)

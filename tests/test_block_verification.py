@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 import spec_jax as sj
 from spec_jax import block_verification
-from test_resample import PrefixLaws, max_law_gap, spec_block_law, target_law
+from conftest import pooled_chi_square_p_value
+from test_resample import (PrefixLaws, continue_with_target, enumerate_drafts,
+                           max_law_gap, spec_block_law, target_law)
 
 
 def token_accepted_law(draft_tokens, draft_probs, target_probs):
@@ -59,25 +60,6 @@ WRONG_RULES = {
 }
 
 
-def enumerate_drafts(laws, gamma):
-  """Every draft sequence with its probability, as resample's inputs."""
-  vocab = range(laws.vocab_size)
-  drafts = list(itertools.product(vocab, repeat=gamma))
-  draft_probs = np.array([[laws(d[:i])[1] for i in range(gamma)]
-                          for d in drafts])
-  # Once a row proposes nothing it stops: later positions propose nothing.
-  stopped = np.cumsum(draft_probs.sum(-1) == 0, axis=1) > 0
-  draft_probs[stopped] = 0.0
-  target_probs = np.array([[laws(d[:i])[0] for i in range(gamma + 1)]
-                           for d in drafts])
-  # Where nothing is proposed, the (unused) draft token is 0 for certain.
-  path = np.array([np.prod([draft_probs[b, i, d[i]] if not stopped[b, i]
-                            else float(d[i] == 0) for i in range(gamma)])
-                   for b, d in enumerate(drafts)])
-  draft_tokens = jnp.array(drafts, jnp.int32).reshape(len(drafts), gamma)
-  return drafts, path, draft_tokens, draft_probs, target_probs
-
-
 def chain_law(laws, gamma, rule):
   """Exact law of the first gamma+1 tokens: one verified block, then p.
 
@@ -107,14 +89,7 @@ def chain_law(laws, gamma, rule):
         block = tuple(d[:n]) + (x,)
         block_law[block] = (block_law.get(block, 0.0) + path[b]
                             * accepted_law[b, n] * emitted_law[b, n, x])
-  law = {}
-  for block, prob in block_law.items():
-    for rest in itertools.product(vocab, repeat=gamma + 1 - len(block)):
-      seq = block + rest
-      cont = np.prod([laws(seq[:i])[0][seq[i]]
-                      for i in range(len(block), gamma + 1)])
-      law[seq] = law.get(seq, 0.0) + prob * cont
-  return law
+  return continue_with_target(block_law, laws, gamma + 1)
 
 
 def expected_accepted(laws, gamma, accepted_law_fn):
@@ -213,16 +188,6 @@ def test_block_accepts_at_least_as_many_as_token_exactly(case):
                              atol=1e-5)
 
 
-def _chi_square_p_value(counts, expected):
-  """Pearson's test, pooling cells expected to hold fewer than 5 draws."""
-  small = expected < 5
-  counts = np.append(counts[~small], counts[small].sum())
-  expected = np.append(expected[~small], expected[small].sum())
-  keep = expected > 0
-  statistic = np.sum((counts[keep] - expected[keep])**2 / expected[keep])
-  return stats.chi2.sf(statistic, keep.sum() - 1)
-
-
 def test_block_sampler_matches_its_exact_law():
   """resample(method="block") draws (n, emitted token) with the law the
   enumeration uses: chi-square, 3 drafts x 20000 rows each, at 1e-3."""
@@ -248,7 +213,7 @@ def test_block_sampler_matches_its_exact_law():
                                        < num_accepted[rows_b, None])))
     counts = np.zeros_like(exact[b])
     np.add.at(counts, (num_accepted[rows_b], emitted[rows_b]), 1)
-    p_value = _chi_square_p_value(counts.ravel(), rows * exact[b].ravel())
+    p_value = pooled_chi_square_p_value(counts.ravel(), rows * exact[b].ravel())
     assert p_value > 1e-3, (b, p_value)
 
 

@@ -54,6 +54,25 @@ class PrefixLaws:
     return self.tables[prefix]
 
 
+def enumerate_drafts(laws, gamma):
+  """Every draft sequence with its probability, as resample's inputs."""
+  vocab = range(laws.vocab_size)
+  drafts = list(itertools.product(vocab, repeat=gamma))
+  draft_probs = np.array([[laws(d[:i])[1] for i in range(gamma)]
+                          for d in drafts])
+  # Once a row proposes nothing it stops: later positions propose nothing.
+  stopped = np.cumsum(draft_probs.sum(-1) == 0, axis=1) > 0
+  draft_probs[stopped] = 0.0
+  target_probs = np.array([[laws(d[:i])[0] for i in range(gamma + 1)]
+                           for d in drafts])
+  # Where nothing is proposed, the (unused) draft token is 0 for certain.
+  path = np.array([np.prod([draft_probs[b, i, d[i]] if not stopped[b, i]
+                            else float(d[i] == 0) for i in range(gamma)])
+                   for b, d in enumerate(drafts)])
+  draft_tokens = jnp.array(drafts, jnp.int32).reshape(len(drafts), gamma)
+  return drafts, path, draft_tokens, draft_probs, target_probs
+
+
 def spec_block_law(laws, gamma, correction_probs_fn):
   """Exact law of the first gamma+1 tokens: one SD block, then the target.
 
@@ -66,15 +85,8 @@ def spec_block_law(laws, gamma, correction_probs_fn):
     {sequence of gamma+1 tokens: probability}.
   """
   vocab = range(laws.vocab_size)
-  drafts = list(itertools.product(vocab, repeat=gamma))  # every d_1..d_G
-  draft_probs = np.array([[laws(d[:i])[1] for i in range(gamma)]
-                          for d in drafts])
-  # Once a row proposes nothing it stops: later positions propose nothing.
-  stopped = np.cumsum(draft_probs.sum(-1) == 0, axis=1) > 0
-  draft_probs[stopped] = 0.0
-  target_probs = np.array([[laws(d[:i])[0] for i in range(gamma + 1)]
-                           for d in drafts])
-  draft_tokens = jnp.array(drafts, jnp.int32).reshape(len(drafts), gamma)
+  drafts, paths, draft_tokens, draft_probs, target_probs = enumerate_drafts(
+      laws, gamma)
   accept = np.asarray(sj.acceptance_probs(draft_tokens, draft_probs,
                                           target_probs), np.float64)
   emitted_law = np.asarray(correction_probs_fn(draft_probs, target_probs),
@@ -82,9 +94,7 @@ def spec_block_law(laws, gamma, correction_probs_fn):
 
   block_law = {}  # emitted block (variable length) -> probability
   for b, d in enumerate(drafts):
-    # Where nothing is proposed, the (unused) draft token is 0 for certain.
-    path = np.prod([draft_probs[b, i, d[i]] if not stopped[b, i]
-                    else float(d[i] == 0) for i in range(gamma)])
+    path = paths[b]
     if path == 0:
       continue
     for n in range(gamma + 1):  # n drafts accepted, then one emitted token.
@@ -94,13 +104,19 @@ def spec_block_law(laws, gamma, correction_probs_fn):
         block_law[block] = (block_law.get(block, 0.0)
                             + path * stop * emitted_law[b, n, x])
 
-  # Continue every block with the target itself up to gamma+1 tokens.
+  return continue_with_target(block_law, laws, gamma + 1)
+
+
+def continue_with_target(block_law, laws, length):
+  """{sequence of `length` tokens: probability}: every block of block_law
+  ({tokens: probability}) continued by the target itself."""
   law = {}
   for block, prob in block_law.items():
-    for rest in itertools.product(vocab, repeat=gamma + 1 - len(block)):
+    for rest in itertools.product(range(laws.vocab_size),
+                                  repeat=length - len(block)):
       seq = block + rest
       cont = np.prod([laws(seq[:i])[0][seq[i]]
-                      for i in range(len(block), gamma + 1)])
+                      for i in range(len(block), length)])
       law[seq] = law.get(seq, 0.0) + prob * cont
   return law
 

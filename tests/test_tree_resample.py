@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 from spec_jax import tree
-from test_resample import PrefixLaws, max_law_gap, target_law
+from conftest import pooled_chi_square_p_value
+from test_resample import (PrefixLaws, continue_with_target, max_law_gap,
+                           target_law)
 
 
 def _norm(x):
@@ -134,16 +135,10 @@ def tree_output_law(laws, branching, length, wrong=None):
     for seq, p_seq in reference_law(*row, wrong=wrong).items():
       emitted[seq] = emitted.get(seq, 0.0) + prob * p_seq
   assert abs(total - 1) < 1e-9  # The enumeration covers every tree.
-  law = {}
+  heads = {}
   for seq, prob in emitted.items():
-    head = seq[:length]
-    for rest in itertools.product(range(laws.vocab_size),
-                                  repeat=length - len(head)):
-      full = head + rest
-      cont = np.prod([laws(full[:i])[0][full[i]]
-                      for i in range(len(head), length)])
-      law[full] = law.get(full, 0.0) + prob * cont
-  return law
+    heads[seq[:length]] = heads.get(seq[:length], 0.0) + prob
+  return continue_with_target(heads, laws, length)
 
 
 CASES = [  # (branching, vocab_size, seed, draft)
@@ -173,16 +168,6 @@ def test_enumeration_rejects_wrong_tree_rules(wrong, branching):
   laws = PrefixLaws(4, seed=2)
   law = tree_output_law(laws, branching, 2, wrong=wrong)
   assert max_law_gap(law, target_law(laws, 1)) > 1e-3
-
-
-def _chi_square_p_value(counts, expected):
-  """Pearson's test, pooling cells expected to hold fewer than 5 draws."""
-  small = expected < 5
-  counts = np.append(counts[~small], counts[small].sum())
-  expected = np.append(expected[~small], expected[small].sum())
-  keep = expected > 0
-  statistic = np.sum((counts[keep] - expected[keep])**2 / expected[keep])
-  return stats.chi2.sf(statistic, keep.sum() - 1)
 
 
 def _likely_trees(laws, branching, count):
@@ -215,7 +200,7 @@ def _check_against_reference(rows, tokens, num_accepted, path):
       np.testing.assert_array_equal(tree_tokens[nodes], tokens[b, :n])
       assert (tokens[b, n:] == tokens[b, n]).all()
       counts[tuple(tokens[b, :n + 1].tolist())] += 1
-    p_value = _chi_square_p_value(
+    p_value = pooled_chi_square_p_value(
         np.array([counts[o] for o in outcomes], np.float64),
         len(members) * np.array([exact[o] for o in outcomes]))
     assert p_value > 1e-3, p_value

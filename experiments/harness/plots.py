@@ -79,50 +79,47 @@ def acceptance_by_position_figure(rows) -> Figure:
   return figure
 
 
-def drafters_figure(rows) -> Figure:
-  """Speedup of each drafter variant, one bar per temperature."""
-  variants = list(dict.fromkeys(r["variant"] for r in rows))
-  temperatures = sorted({r["temperature"] for r in rows})
-  figure = Figure(figsize=(7, 0.5 * len(variants) + 1.5), layout="constrained")
+def _speedup_bars(labels: list[str], series: list[tuple], title: str
+                  ) -> Figure:
+  """Horizontal speedup bars: one group per label, one bar per series
+  (name, {label: speedup}, {label: bar annotation} or None)."""
+  figure = Figure(figsize=(7, 0.5 * len(labels) + 1.5), layout="constrained")
   axes = figure.add_subplot()
-  height = 0.8 / len(temperatures)
-  for index, temperature in enumerate(temperatures):
-    speedups = {r["variant"]: r["speedup"] for r in rows
-                if r["temperature"] == temperature}
-    axes.barh(np.arange(len(variants)) + index * height,
-              [speedups.get(v, np.nan) for v in variants], height,
-              label=f"T={temperature:g}")
-  axes.set_yticks(np.arange(len(variants)) + 0.4 - height / 2, variants)
+  height = 0.8 / len(series)
+  for index, (name, speedups, notes) in enumerate(series):
+    bars = axes.barh(np.arange(len(labels)) + index * height,
+                     [speedups.get(label, np.nan) for label in labels],
+                     height, label=name)
+    if notes is not None:
+      axes.bar_label(bars, [notes.get(label, "") for label in labels],
+                     padding=3, fontsize=8)
+  axes.set_yticks(np.arange(len(labels)) + 0.4 - height / 2, labels)
   axes.invert_yaxis()
   axes.axvline(1.0, color="gray", lw=0.8)
-  axes.set(title="Speedup over autoregressive decoding by drafter",
-           xlabel="speedup (x)")
+  axes.set(title=title, xlabel="speedup (x)")
   axes.legend()
   return figure
+
+
+def drafters_figure(rows) -> Figure:
+  """Speedup of each drafter variant, one bar per temperature."""
+  series = [(f"T={t:g}", {r["variant"]: r["speedup"] for r in rows
+                          if r["temperature"] == t}, None)
+            for t in sorted({r["temperature"] for r in rows})]
+  return _speedup_bars(list(dict.fromkeys(r["variant"] for r in rows)),
+                       series, "Speedup over autoregressive decoding by "
+                       "drafter")
 
 
 def categories_figure(runs) -> Figure:
   """Speedup (bars) and tau (labels) per prompt category, one bar per
   temperature, from the main job's runs."""
-  categories = list(runs[0]["by_category"])
-  figure = Figure(figsize=(7, 0.5 * len(categories) + 1.5),
-                  layout="constrained")
-  axes = figure.add_subplot()
-  height = 0.8 / len(runs)
-  for index, run in enumerate(runs):
-    totals = [run["by_category"][c] for c in categories]
-    y = np.arange(len(categories)) + index * height
-    bars = axes.barh(y, [t["speedup"] for t in totals], height,
-                     label=f"T={run['temperature']:g}, gamma={run['gamma']}")
-    axes.bar_label(bars, [f"tau {t['sd']['tokens_per_cycle']:.2f}"
-                          for t in totals], padding=3, fontsize=8)
-  axes.set_yticks(np.arange(len(categories)) + 0.4 - height / 2, categories)
-  axes.invert_yaxis()
-  axes.axvline(1.0, color="gray", lw=0.8)
-  axes.set(title="Speedup over autoregressive decoding by task",
-           xlabel="speedup (x)")
-  axes.legend()
-  return figure
+  series = [(f"T={run['temperature']:g}, gamma={run['gamma']}",
+             {c: t["speedup"] for c, t in run["by_category"].items()},
+             {c: f"tau {t['sd']['tokens_per_cycle']:.2f}"
+              for c, t in run["by_category"].items()}) for run in runs]
+  return _speedup_bars(list(runs[0]["by_category"]), series,
+                       "Speedup over autoregressive decoding by task")
 
 
 FIGURES = {
