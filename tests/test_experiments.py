@@ -255,3 +255,52 @@ def test_unknown_drafter_is_refused(tmp_path):
   result = run_module("experiments.run", "--config=configs/quickstart.py",
                       f"--workdir={tmp_path}", "--config.drafter=medusa")
   assert result.returncode != 0 and "choose one of" in result.stderr
+
+
+def test_block_verification_smoke_run(tiny_models, tmp_path):
+  target, draft = tiny_models
+  result = run_module(
+      "experiments.block_verification",
+      "--config=configs/block_verification.py:runlocal",
+      f"--workdir={tmp_path}", f"--config.target={target}",
+      f"--config.draft={draft}", f"--config.corpus={CORPUS}",
+      "--config.prompt_tokens=16")
+  assert result.returncode == 0, result.stderr[-3000:]
+  (row,) = json.loads((tmp_path / "block_verification.json").read_text())[
+      "rows"]
+  same = row["same_drafts"]
+  # Block verification wins in expectation over drafts (not draft by draft).
+  assert same["gain"] > -4 * same["gain_standard_error"]
+  assert same["tau_block"] == pytest.approx(same["tau_token"] + same["gain"])
+  assert row["block"]["tokens_per_cycle"] >= 1
+
+
+def test_main_job_reports_categories_from_a_question_file(tiny_models,
+                                                          tmp_path):
+  """Spec-Bench's question.jsonl format: per-category stats and plot."""
+  target, draft = tiny_models
+  questions = tmp_path / "question.jsonl"
+  questions.write_text("\n".join(json.dumps(q) for q in [
+      {"question_id": 1, "category": "code", "turns": ["def f(x):"]},
+      {"question_id": 2, "category": "code", "turns": ["import os"]},
+      {"question_id": 3, "category": "prose",
+       "turns": ["The cat", "sat on"]}]))
+  result = run_module(
+      "experiments.run", "--config=configs/quickstart.py:runlocal",
+      f"--workdir={tmp_path}", f"--config.target={target}",
+      f"--config.draft={draft}", f"--config.prompts_file={questions}",
+      "--config.temperatures=0", "--config.batch_size=2")
+  assert result.returncode == 0, result.stderr[-3000:]
+  (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
+  assert set(run["by_category"]) == {"code", "prose"}
+  assert [s["category"] for s in run["samples"]] == ["code", "code", "prose"]
+  assert run["samples"][2]["prompt"] == "The cat\n\nsat on"
+  for totals in run["by_category"].values():
+    assert totals["sd"]["row_cycles"] > 0 and totals["speedup"] > 0
+  # The categories' counts add up to the run's.
+  assert sum(t["sd"]["accepted"] for t in run["by_category"].values()) == (
+      run["sd"]["accepted"])
+  assert set(run["compile_s"]) == {"ar", "sd"}
+  assert (tmp_path / "categories.png").read_bytes()[:4] == b"\x89PNG"
+  for sample in run["samples"]:
+    assert sample["sd_tokens"] == sample["ar_tokens"]

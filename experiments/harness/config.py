@@ -9,12 +9,19 @@ own fields. Lists are tuples, which read naturally on the command line:
 from old flags (gammas "1-10").
 """
 
+import functools
+
 import ml_collections
 
+from spec_jax import rejection
 from spec_jax.decoding import DecodeConfig
 from spec_jax.sampling import Sampling
 
 DRAFTERS = ("model", "ngram", "layer_skip")
+# config.verification -> the decode's rejection rule; one function object per
+# rule, so that equal configs compile once.
+RESAMPLERS = {"token": rejection.resample,
+              "block": functools.partial(rejection.resample, method="block")}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -38,6 +45,10 @@ def base_config() -> ml_collections.ConfigDict:
   config.layer_skip = ml_collections.ConfigDict({"num_layers": 2})
   # Drafts per cycle.
   config.gamma = 8
+  # How a chain of drafts is verified: "token" (accept each draft with
+  # min(1, p/q), left to right) or "block" (block verification, Sun et al.
+  # 2024: the same law, at least as many accepted drafts in expectation).
+  config.verification = "token"
   # Temperatures, one run each; 0 is greedy.
   config.temperatures = (0.0, 1.0)
   # Top-k (0 keeps all) and top-p (1 keeps all), applied to p and q alike.
@@ -122,7 +133,8 @@ def decode_config(config: ml_collections.ConfigDict, temperature: float, *,
   return DecodeConfig(
       gamma=config.gamma if gamma is None else gamma,
       max_new_tokens=config.max_new_tokens,
-      sampling=sampling(config, temperature), eos_id=eos_id)
+      sampling=sampling(config, temperature), eos_id=eos_id,
+      resample=RESAMPLERS[config.verification])
 
 
 def check(config: ml_collections.ConfigDict) -> None:
@@ -130,9 +142,12 @@ def check(config: ml_collections.ConfigDict) -> None:
   work."""
   if config.drafter not in DRAFTERS:
     raise ValueError(f"drafter={config.drafter!r}: choose one of {DRAFTERS}.")
+  if config.verification not in RESAMPLERS:
+    raise ValueError(f"verification={config.verification!r}: choose one of "
+                     f"{tuple(RESAMPLERS)}.")
   for temperature in temperatures(config):
     sampling(config, temperature)
   if "gammas" in config:
     gammas(config)
-  else:
+  if "gamma" in config:
     DecodeConfig(gamma=config.gamma, max_new_tokens=config.max_new_tokens)

@@ -1,0 +1,41 @@
+"""Block verification against the token rule on the built-in pair; writes
+block_verification.json.
+
+  python -m experiments.block_verification --config=configs/block_verification.py --workdir=DIR
+"""
+
+import os
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from experiments import harness
+from experiments.harness import block_vs_token
+from experiments.harness import config as config_lib
+from experiments.harness import loading, records
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where to write the results.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  harness.setup()
+  config = _CONFIG.value
+  config_lib.check(config)
+  records.check_writable(_WORKDIR.value)
+  loaded = loading.load_models(config)
+  prompts = loading.load_prompts(config, loaded.target.tokenizer)
+  print(f"{loaded.describe()}, {len(prompts)} prompts", flush=True)
+  rows = block_vs_token.block_vs_token(config, loaded, prompts)
+  print(block_vs_token.format_table(rows))
+  path = os.path.join(_WORKDIR.value, "block_verification.json")
+  records.write_json(path, {"code_version": records.code_version(),
+                            "config": config.to_dict(), "rows": rows})
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  app.run(main)
