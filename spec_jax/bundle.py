@@ -15,6 +15,7 @@ import json
 
 import tokenizers
 
+from spec_jax.decoding import DecodeConfig
 from spec_jax.model import Model
 
 
@@ -46,6 +47,11 @@ class ModelBundle:
     # Order kept, duplicates dropped: the first is the checkpoint's EOS.
     object.__setattr__(self, "stop_ids",
                        tuple(dict.fromkeys(int(i) for i in stop_ids)))
+
+  def decode_config(self, **settings) -> DecodeConfig:
+    """A DecodeConfig that stops at this model's stop ids, e.g.
+    `bundle.decode_config(gamma=4, max_new_tokens=128)`."""
+    return DecodeConfig(**{"eos_id": self.stop_ids or None, **settings})
 
   @property
   def eos_id(self) -> int | None:

@@ -42,4 +42,8 @@ def write_atomic(path, write, mode: str = "w") -> None:
       f.close()
       os.remove(f.name)
       raise
+  # tempfile creates the file private (0600); give it the usual mode.
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(f.name, 0o666 & ~umask)
   os.replace(f.name, path)
