@@ -8,7 +8,6 @@ Writes drafters.json and drafters.png. Smoke run:
 --config=configs/compare_drafters.py:runlocal
 """
 
-import ml_collections
 
 from configs import quickstart
 

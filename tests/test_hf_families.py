@@ -5,7 +5,6 @@ shorter than the sequence, so that the window mask matters.
 Needs torch and transformers; skipped without them.
 """
 
-import jax
 import numpy as np
 import pytest
 

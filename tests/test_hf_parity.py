@@ -5,7 +5,6 @@ Needs torch and transformers (`pip install torch==2.13.0`, then
 `pip install -e '.[hf]'`); skipped without them.
 """
 
-import pathlib
 import shutil
 
 import jax

@@ -1,6 +1,5 @@
 """The notebooks run top to bottom, in their small mode, so they cannot rot."""
 
-import os
 import pathlib
 
 import pytest

@@ -10,7 +10,6 @@ rules must fail the same check. A chi-square test then ties the jax
 `resample_tree` to the reference.
 """
 
-import itertools
 import sys
 
 import jax

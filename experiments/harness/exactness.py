@@ -8,10 +8,9 @@ import ml_collections
 import numpy as np
 from scipy import stats
 
+from experiments.harness import config as config_lib
 from experiments.harness import loading, records
-from spec_jax.decoding import (DecodeConfig, generate, generate_autoregressive,
-                               pad_prompts)
-from spec_jax.sampling import Sampling
+from spec_jax.decoding import generate, generate_autoregressive, pad_prompts
 
 _log = logging.getLogger(__name__)
 
@@ -72,9 +71,9 @@ def exactness(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   result = []
   for temperature, top_p in settings(config):
     tag = f"T{temperature:g}_p{top_p:g}"
-    decode_config = DecodeConfig(
-        gamma=config.gamma, max_new_tokens=config.max_new_tokens,
-        sampling=Sampling(temperature=temperature, top_p=top_p))
+    setting_config = ml_collections.ConfigDict(config.to_dict())
+    setting_config.top_p = top_p
+    decode_config = config_lib.decode_config(setting_config, temperature)
     samples = {"ar": [], "sd": []}
     num_batches = -(-config.num_samples // config.batch_size)
     for batch in range(num_batches):

@@ -19,9 +19,8 @@ import numpy as np
 from experiments.harness import config as config_lib
 from experiments.harness import loading, timing
 from spec_jax import hf
-from spec_jax.decoding import DecodeConfig, generate, generate_autoregressive
+from spec_jax.decoding import generate, generate_autoregressive
 from spec_jax.drafters import ModelDrafter
-from spec_jax.sampling import Sampling
 from spec_jax.stats import DecodeStats
 
 _log = logging.getLogger(__name__)
@@ -33,8 +32,8 @@ def hf_folders(config: ml_collections.ConfigDict, workdir) -> tuple[str, str]:
   folders = []
   for name in ("target", "draft"):
     path = config[name]
-    if path.startswith("hf:"):
-      folders.append(path.removeprefix("hf:"))
+    if loading.hf_folder(path) is not None:
+      folders.append(loading.hf_folder(path))
       continue
     bundle = loading.load(path)
     folder = pathlib.Path(workdir) / "hf" / name
@@ -102,9 +101,8 @@ class _Decoders:
                batch_size: int, width: int):
     target, draft, hf_target, hf_draft = models
     self.counters, self.gamma, self.sd_stats = counters, config.gamma, []
-    decode_config = DecodeConfig(
-        gamma=config.gamma, max_new_tokens=config.max_new_tokens,
-        sampling=Sampling(temperature=temperature), eos_id=None)
+    # No EOS stop: every row makes max_new_tokens tokens on both sides.
+    decode_config = config_lib.decode_config(config, temperature)
     key = jax.random.key(config.seed)
     lengths = np.full((batch_size,), width, np.int32)
 

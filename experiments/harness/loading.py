@@ -29,13 +29,18 @@ def load(path: str, mesh=None, replicate: bool = False,
   """The model at path with its tokenizer and EOS id. With a mesh, the params
   end in their shardings (sharding.py), replicated if `replicate`; `name`
   says which model an error is about."""
-  if path.startswith("hf:"):
-    return hf.load_hf(path.removeprefix("hf:"), mesh=mesh, replicate=replicate)
+  if hf_folder(path) is not None:
+    return hf.load_hf(hf_folder(path), mesh=mesh, replicate=replicate)
   if path.startswith("gguf:") or path.endswith(".gguf"):
     return _load_gguf(path, mesh, replicate, name)
   model, tokenizer = checkpoint.load_model(pretrained.resolve(path), mesh,
                                            replicate, name)
   return ModelBundle(model, tokenizer, tokenizer.token_to_id(pretrained.EOS))
+
+
+def hf_folder(path: str) -> str | None:
+  """The Hugging Face folder (or hub name) an 'hf:' path names, else None."""
+  return path.removeprefix("hf:") if path.startswith("hf:") else None
 
 
 def _load_gguf(path: str, mesh, replicate: bool, name: str) -> ModelBundle:

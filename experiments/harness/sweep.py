@@ -34,6 +34,25 @@ from spec_jax.decoding import pad_prompts
 _log = logging.getLogger(__name__)
 
 
+def _predictions(run: dict, parts: dict) -> dict:
+  """The same work the measured runs did, priced at the component times:
+  with the cycle timed whole (what the loop body costs), and from its parts
+  (what gamma draft steps and a verify cost alone)."""
+  parts_cycle_s = run["gamma"] * parts["draft_step_s"] + parts["verify_s"]
+  work = dict(ar_steps=run["ar"]["steps"], sd_cycles=run["sd"]["cycles"],
+              num_prefills=run["num_batches"],
+              target_prefill_s=parts["target_prefill_s"],
+              draft_prefill_s=parts["draft_prefill_s"])
+  return {
+      "predicted_speedup": float(theory.predicted_speedup(
+          parts["cycle_s"], parts["target_step_s"], **work)),
+      "predicted_speedup_from_parts": float(theory.predicted_speedup(
+          parts_cycle_s, parts["target_step_s"], **work)),
+      # What alternating the two models costs beyond their isolated times.
+      "cycle_over_parts": parts["cycle_s"] / parts_cycle_s,
+  }
+
+
 def _row(run: dict, parts: dict, ar_seconds: float) -> dict:
   """One sweep row from a `compare` RUN, the component times and the AR time
   pooled over the temperature's rows."""
@@ -46,16 +65,7 @@ def _row(run: dict, parts: dict, ar_seconds: float) -> dict:
   emitted_per_cycle = sd["new_tokens"] / max(sd["row_cycles"], 1)
   c = parts["draft_step_s"] / parts["target_step_s"]
   verify_cost = parts["verify_s"] / parts["target_step_s"]
-  # The same work the measured runs did, priced at the component times: with
-  # the cycle timed whole (what the loop body costs), and from its parts (what
-  # gamma draft steps and a verify cost alone).
-  parts_cycle_s = gamma * parts["draft_step_s"] + parts["verify_s"]
-  work = dict(ar_steps=run["ar"]["steps"], sd_cycles=sd["cycles"],
-              num_prefills=run["num_batches"],
-              target_prefill_s=parts["target_prefill_s"],
-              draft_prefill_s=parts["draft_prefill_s"])
-  predicted = float(theory.predicted_speedup(
-      parts["cycle_s"], parts["target_step_s"], **work))
+  predictions = _predictions(run, parts)
   return {
       "gamma": gamma,
       "temperature": run["temperature"],
@@ -73,12 +83,8 @@ def _row(run: dict, parts: dict, ar_seconds: float) -> dict:
       "ar_tokens_per_s_row": run["ar"]["tokens_per_s"],
       "sd_tokens_per_s": sd["tokens_per_s"],
       "speedup": speedup,
-      "predicted_speedup": predicted,
-      "measured_over_predicted": speedup / predicted,
-      "predicted_speedup_from_parts": float(theory.predicted_speedup(
-          parts_cycle_s, parts["target_step_s"], **work)),
-      # What alternating the two models costs beyond their isolated times.
-      "cycle_over_parts": parts["cycle_s"] / parts_cycle_s,
+      **predictions,
+      "measured_over_predicted": speedup / predictions["predicted_speedup"],
       # The paper's model: i.i.d. acceptance at the measured alpha, with the
       # measured c and verify cost.
       "predicted_speedup_iid": float(theory.expected_speedup_with_verify_cost(
