@@ -95,7 +95,8 @@ def tree_ablation(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   # One cache length for every shape (the largest N's loop), so that the
   # target step and the prefills compile once.
   max_len = width + config.max_new_tokens + max(v[2] for v in variants) + 1
-  rows, total, start = [], len(variants) * len(temperatures), time.perf_counter()
+  rows, total = [], len(variants) * len(temperatures)
+  start = time.perf_counter()
   for temperature in temperatures:
     target_timer = timing.TargetTimer(
         loaded.target.model, config.batch_size, width, max_len,
