@@ -8,7 +8,6 @@ Writes drafters.json and drafters.png. Smoke run:
 --config=configs/compare_drafters.py:runlocal
 """
 
-
 from configs import quickstart
 
 

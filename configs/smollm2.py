@@ -34,6 +34,8 @@ def get_config(arg=None):
   config.max_new_tokens = 64
   if arg == "gemma3":
     config.target = "gguf:gemma3-270m"
+    # This GGUF carries no chat template: the questions go in as plain text.
+    config.chat = False
   elif arg == "runlocal":
     config.num_prompts = 1
     config.max_new_tokens = 8

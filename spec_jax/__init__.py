@@ -7,6 +7,9 @@ The three steps of a cycle, each a pure function:
                                         giving p;
   resample  (rejection.py)              rejection sampling keeps the output
                                         law exactly p.
+A tree drafter (draft_tree.py, `TreeDrafter`) proposes a tree of drafts
+instead; `verify` scores every node in one pass and `resample_tree` (tree.py)
+accepts a root-to-node path of it, with the same guarantee.
 `generate` (decoding.py) fuses them into one `lax.while_loop`;
 `generate_autoregressive` is the baseline built the same way. stats.py holds
 what a run counts and every ratio derived from it.
@@ -29,8 +32,10 @@ from spec_jax.drafters import (
     LayerSkipDrafter,
     ModelDrafter,
     NgramDrafter,
+    TreeDrafter,
     prompt_lookup,
 )
+from spec_jax.draft_tree import TreeTemplate
 from spec_jax.drafting import Drafter, Proposal, VerifyOutput, propose
 from spec_jax.bundle import ModelBundle
 from spec_jax.gguf import load_gguf
@@ -52,9 +57,10 @@ __all__ = [
     "PAD_ID", "DecodeConfig", "DecodeResult", "DecodeStats", "Drafter",
     "KVCache", "LayerSkipDrafter", "Model", "ModelBundle", "ModelDrafter",
     "NgramDrafter", "Proposal", "RopeScaling", "Sampling", "Transformer",
-    "TransformerConfig", "VerifyOutput", "acceptance_probs",
-    "correction_probs", "generate", "generate_autoregressive", "load_gguf", "load_hf",
-    "load_model", "overlap", "pad_prompts", "prompt_lookup", "propose",
-    "resample", "resample_tree", "save_hf", "save_model", "score", "sharding", "theory",
+    "TransformerConfig", "TreeDrafter", "TreeTemplate", "VerifyOutput",
+    "acceptance_probs", "correction_probs", "generate",
+    "generate_autoregressive", "load_gguf", "load_hf", "load_model",
+    "overlap", "pad_prompts", "prompt_lookup", "propose", "resample",
+    "resample_tree", "save_hf", "save_model", "score", "sharding", "theory",
     "verify",
 ]

@@ -7,6 +7,11 @@ amounts per cycle; a finished row keeps its outputs while the others go on.
 Every row's state obeys one invariant between iterations: `tokens[b, :L]` is
 its sequence (L = lengths[b]) and both caches hold valid keys and values for
 its first L - 1 tokens; the last token is fed by the next step.
+
+A tree drafter's cycle verifies the whole tree in one pass and accepts a
+root-to-node path of it (`tree.resample_tree`); both caches then move that
+path's keys and values next to the context (`KVCache.compact`), so that the
+same invariant holds and rollback stays a pointer move.
 """
 
 import dataclasses
@@ -17,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import rejection, sharding
-from spec_jax.drafting import Drafter, DraftState
+from spec_jax import rejection, sharding, tree
+from spec_jax.drafting import Drafter, DraftState, VerifyOutput
 from spec_jax.model import KVCache, Model
 from spec_jax.sampling import Sampling
 from spec_jax.stats import DecodeStats
@@ -32,7 +37,8 @@ PAD_ID = -1
 class DecodeConfig:
   """Static settings of one decode; changing one compiles a new program.
 
-  gamma: drafts per cycle (ignored by the autoregressive loop).
+  gamma: drafts per cycle (ignored by the autoregressive loop, and by a tree
+    drafter, whose template fixes its drafts).
   max_new_tokens: the most tokens a row emits after its prompt.
   sampling: temperature, top-k and top-p, applied to p and q alike.
   eos_id: a stop id, or several (chat models often have more than one); a
@@ -40,6 +46,8 @@ class DecodeConfig:
   resample: the rejection rule, any function with `rejection.resample`'s
     contract. The default is exact; tests pass a deliberately wrong one here
     as a negative control.
+  resample_tree: the same for a tree drafter's proposals, any function with
+    `tree.resample_tree`'s contract.
   """
 
   gamma: int = 4
@@ -47,6 +55,7 @@ class DecodeConfig:
   sampling: Sampling = Sampling()
   eos_id: int | tuple[int, ...] | None = None
   resample: Callable = rejection.resample
+  resample_tree: Callable = tree.resample_tree
 
   def __post_init__(self):
     if self.gamma < 1:
@@ -130,6 +139,72 @@ def _init_tokens(prompts, config: DecodeConfig, scratch: int) -> jax.Array:
   return jnp.pad(prompts, ((0, 0), (0, config.max_new_tokens + scratch)))
 
 
+@flax.struct.dataclass
+class _Checked:
+  """One cycle after verify and resample, before the tokens are emitted."""
+
+  tokens: jax.Array  # [B, T] the accepted drafts, then the correction/bonus.
+  num_accepted: jax.Array  # [B]
+  verified: VerifyOutput
+  target_cache: KVCache  # accepted drafts in place; the pointer not moved.
+  draft_state: DraftState  # the same, before `drafter.update`.
+  stats: DecodeStats
+
+
+def _check_chain(key, target, drafter, proposal, state, config) -> _Checked:
+  """Verifies a chain and accepts a prefix of it (`config.resample`)."""
+  sampling = config.sampling
+  with jax.named_scope("verify"):
+    verified = verify(target, proposal.target_cache, state.tokens,
+                      state.lengths, proposal.tokens, sampling,
+                      hidden_layers=drafter.target_layers)
+  with jax.named_scope("resample"):
+    new_tokens, num_accepted = config.resample(
+        key, proposal.tokens, proposal.probs, verified.probs,
+        greedy=sampling.greedy)
+  stats = state.stats.record_cycle(
+      active=~state.done,
+      proposed=rejection.draft_token_probs(proposal.tokens,
+                                           proposal.probs) > 0,
+      num_accepted=num_accepted,
+      overlap=rejection.overlap(proposal.probs, verified.probs))
+  # Draft i sits at slot lengths - 1 + i already: nothing to move.
+  return _Checked(new_tokens, num_accepted, verified, verified.cache,
+                  proposal.state, stats)
+
+
+def _check_tree(key, target, drafter, proposal, state, config) -> _Checked:
+  """Verifies a tree in one pass, accepts a root-to-node path of it
+  (`config.resample_tree`) and compacts both caches onto that path."""
+  sampling = config.sampling
+  with jax.named_scope("verify"):
+    verified = verify(target, proposal.target_cache, state.tokens,
+                      state.lengths, proposal.tokens, sampling,
+                      parents=proposal.parents,
+                      hidden_layers=drafter.target_layers)
+  with jax.named_scope("resample"):
+    new_tokens, num_accepted, path = config.resample_tree(
+        key, proposal.tokens, proposal.parents, proposal.probs,
+        verified.probs, greedy=sampling.greedy,
+        depth=drafter.template.depth)
+  # Contexts on the accepted path: the root (0) and node path[i] (i + 1).
+  context = jnp.arange(proposal.probs.shape[1])
+  on_path = (context == 0) | jnp.any(path[..., None] + 1 == context,
+                                     axis=1)  # [B, N+1]
+  stats = state.stats.record(
+      active=~state.done, drafted=proposal.parents != tree.UNUSED,
+      verified=on_path & (proposal.probs.sum(-1) > 0),
+      num_accepted=num_accepted,
+      overlap=rejection.overlap(proposal.probs, verified.probs))
+  # Node j sits at slot lengths + j in both caches (the last token at
+  # lengths - 1); the path moves to lengths, lengths + 1, ...
+  with jax.named_scope("compact"):
+    return _Checked(new_tokens, num_accepted, verified,
+                    verified.cache.compact(state.lengths, path),
+                    drafter.compact(proposal.state, state.lengths, path),
+                    stats)
+
+
 def _speculative_step(
     state: DecodeState,
     target: Model,
@@ -138,61 +213,62 @@ def _speculative_step(
     config: DecodeConfig,
 ) -> DecodeState:
   """One propose -> verify -> resample cycle for every row."""
-  sampling = config.sampling
   key, propose_key, resample_key = jax.random.split(state.key, 3)
   with jax.named_scope("propose"):
     proposal = drafter.propose(state.draft_state, state.target_cache,
                                state.tokens, state.lengths, propose_key,
-                               config.gamma, sampling)
-  if proposal.parents is not None:
-    raise NotImplementedError(
-        "the decode loop runs chains; `verify` scores a tree proposal, and "
-        "its resampling and cache compaction are not in the loop yet.")
-  with jax.named_scope("verify"):
-    verified = verify(target, proposal.target_cache, state.tokens,
-                      state.lengths, proposal.tokens, sampling,
-                      hidden_layers=drafter.target_layers)
-  with jax.named_scope("resample"):
-    new_tokens, num_accepted = config.resample(
-        resample_key, proposal.tokens, proposal.probs, verified.probs,
-        greedy=sampling.greedy)
-  tokens, lengths, done = _emit(state, new_tokens, num_accepted + 1,
-                                prompt_lengths, config)
-  stats = state.stats.record_cycle(
-      active=~state.done,
-      proposed=rejection.draft_token_probs(proposal.tokens,
-                                           proposal.probs) > 0,
-      num_accepted=num_accepted,
-      overlap=rejection.overlap(proposal.probs, verified.probs))
+                               config.gamma, config.sampling)
+  check = _check_chain if proposal.parents is None else _check_tree
+  checked = check(resample_key, target, drafter, proposal, state, config)
+  tokens, lengths, done = _emit(state, checked.tokens,
+                                checked.num_accepted + 1, prompt_lengths,
+                                config)
   # Both caches keep every token but the last (see the module docstring).
   return DecodeState(
       tokens=tokens,
       lengths=lengths,
       done=done,
-      target_cache=verified.cache.rollback(lengths - 1),
-      draft_state=drafter.update(proposal.state, lengths - 1, verified),
+      target_cache=checked.target_cache.rollback(lengths - 1),
+      draft_state=drafter.update(checked.draft_state, lengths - 1,
+                                 checked.verified),
       key=key,
-      stats=stats,
+      stats=checked.stats,
   )
 
 
-def _generate(key, target, drafter, prompts, prompt_lengths, config):
-  scratch = config.gamma + 1
-  tokens = _init_tokens(prompts, config, scratch)
+def cycle_size(drafter: Drafter, config: DecodeConfig) -> tuple[int, int]:
+  """(N, D): the drafts the target verifies per cycle and the most a cycle
+  accepts. gamma and gamma for a chain; a tree drafter's template's node
+  count and depth."""
+  template = getattr(drafter, "template", None)
+  if template is None:
+    return config.gamma, config.gamma
+  return template.num_nodes, template.depth
+
+
+def _initial_state(key, target, drafter, prompts, prompt_lengths,
+                   config) -> DecodeState:
+  """Both caches prefilled, in a buffer whose scratch tail holds a cycle's
+  whole verify pass: N + 1 slots past any row's last output."""
+  num_nodes, depth = cycle_size(drafter, config)
+  tokens = _init_tokens(prompts, config, scratch=num_nodes + 1)
   max_len = tokens.shape[1]
-  state = DecodeState(
+  return DecodeState(
       tokens=tokens,
       lengths=prompt_lengths,
       done=jnp.zeros(prompt_lengths.shape, bool),
       target_cache=target.prefill(prompts, prompt_lengths, max_len),
       draft_state=drafter.prefill(prompts, prompt_lengths, max_len),
       key=key,
-      stats=DecodeStats.zeros(prompts.shape[0], config.gamma),
+      stats=DecodeStats.zeros(prompts.shape[0], depth),
   )
+
+
+def _generate(key, target, drafter, prompts, prompt_lengths, config):
   state = jax.lax.while_loop(
       lambda s: ~jnp.all(s.done),
       lambda s: _speculative_step(s, target, drafter, prompt_lengths, config),
-      state)
+      _initial_state(key, target, drafter, prompts, prompt_lengths, config))
   tokens, num_tokens = _outputs(state, prompt_lengths, config)
   return DecodeResult(tokens=tokens, num_tokens=num_tokens, stats=state.stats)
 
@@ -316,13 +392,14 @@ def generate_autoregressive(
 ) -> DecodeResult:
   """The baseline: one target step per token, in its own while_loop."""
   check_inputs(target, prompts, prompt_lengths, config)
-  # gamma and the rejection rule play no part here; fixing it lets a sweep over gamma compile the
-  # baseline once.
+  # gamma and the rejection rules play no part here; fixing them lets a
+  # sweep over gamma compile the baseline once.
   key, prompts, prompt_lengths = _place(key, prompts, prompt_lengths, mesh)
   return generate_autoregressive_jit(key, target, prompts, prompt_lengths,
                                      dataclasses.replace(
                                          config, gamma=1,
-                                         resample=rejection.resample))
+                                         resample=rejection.resample,
+                                         resample_tree=tree.resample_tree))
 
 
 def pad_prompts(prompts, min_width: int = 1) -> tuple[np.ndarray, np.ndarray]:

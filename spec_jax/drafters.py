@@ -1,16 +1,19 @@
-"""Three drafters, each a pytree that meets the contract of drafting.py.
+"""Four drafters, each a pytree that meets the contract of drafting.py.
 
   ModelDrafter      a small model with its own KV cache;
+  TreeDrafter       the same, proposing a tree of drafts from a template;
   LayerSkipDrafter  the target's first k layers, sharing the target's cache;
   NgramDrafter      prompt lookup: copies what followed the last n tokens
                     earlier in the row's own context; no model, q one-hot.
-The model-based two take `confidence_threshold` for dynamic gamma.
+ModelDrafter and LayerSkipDrafter take `confidence_threshold` for dynamic
+gamma.
 """
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from spec_jax.draft_tree import TreeTemplate, propose_tree
 from spec_jax.drafting import Proposal, check_vocabulary, propose
 from spec_jax.model import KVCache, Model
 
@@ -52,6 +55,61 @@ class ModelDrafter:
 
   def update(self, state: KVCache, cache_lengths, verified) -> KVCache:
     del verified  # a token-level draft reads nothing of the target's
+    return state.rollback(cache_lengths)
+
+
+@flax.struct.dataclass
+class TreeDrafter:
+  """A small draft model proposing a tree of drafts (SpecInfer, Miao et al.
+  2024; Sequoia, Chen et al. 2024) with its own KV cache.
+
+  `TreeDrafter(draft, (3, 2, 1, 1))`: every cycle the draft proposes a tree
+  of that template's shape (21 nodes, depth 4; see draft_tree.py), children
+  drawn from q without replacement, and the target verifies all of its nodes
+  in one pass. The loop's gamma plays no part: the template fixes the tree.
+  """
+
+  model: Model
+  template: TreeTemplate = flax.struct.field(pytree_node=False)
+
+  def __post_init__(self):
+    if not isinstance(self.template, TreeTemplate):
+      object.__setattr__(self, "template", TreeTemplate(self.template))
+
+  target_layers = ()
+
+  @property
+  def vocab_size(self) -> int:
+    return self.model.vocab_size
+
+  def validate(self, target: Model, max_len: int) -> None:
+    ModelDrafter(self.model).validate(target, max_len)
+    if max(self.template.branching) > self.vocab_size:
+      raise ValueError(
+          f"branching={self.template.branching}: a node cannot have more "
+          f"distinct children than the {self.vocab_size} tokens.")
+
+  def describe(self) -> str:
+    return (f"draft model tree {self.template.branching} "
+            f"({self.template.num_nodes} nodes), "
+            f"{self.model.num_params:,} params")
+
+  def prefill(self, prompts, prompt_lengths, max_len) -> KVCache:
+    return self.model.prefill(prompts, prompt_lengths, max_len)
+
+  def propose(self, state, target_cache, tokens, lengths, key, gamma,
+              sampling) -> Proposal:
+    del gamma  # the template fixes the tree
+    tree_tokens, draft_probs, parents, state = propose_tree(
+        self.model, state, tokens, lengths, key, self.template, sampling)
+    return Proposal(tree_tokens, draft_probs, state, target_cache, parents)
+
+  def compact(self, state: KVCache, start, path) -> KVCache:
+    """The accepted path moved next to the context (`KVCache.compact`)."""
+    return state.compact(start, path)
+
+  def update(self, state: KVCache, cache_lengths, verified) -> KVCache:
+    del verified
     return state.rollback(cache_lengths)
 
 

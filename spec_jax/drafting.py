@@ -22,6 +22,16 @@ A position whose q is all zero proposes nothing (see rejection.py), which is
 how a row drafts fewer than gamma tokens. A drafter is a pytree: parameters
 are leaves, settings static metadata, so it passes through `jax.jit`.
 
+A tree drafter (TreeDrafter) proposes a tree, whose Proposal carries
+parents, and has two more members:
+
+  template                    its static TreeTemplate, by which the loop
+                              sizes its buffers and the resampling depth;
+  compact(state, start, path) -> state
+                              moves the accepted path's keys and values next
+                              to the context (`KVCache.compact`), before
+                              `update` moves the pointer.
+
 One convention for rolling back, the cache's: `cache_lengths` [B] counts the
 valid cache slots, which in the decode loops is each row's sequence length
 minus one (every token but the last, which the next step feeds).
@@ -45,13 +55,17 @@ class Proposal:
   """What a drafter proposes in one cycle.
 
   tokens: [B, N] int32 draft tokens.
-  probs: [B, N, V] float32, the q each was drawn from; all zero where a row
-    proposes nothing.
+  probs: for a chain, [B, N, V] float32, the q each was drawn from; all zero
+    where a row proposes nothing. For a tree, [B, N+1, V], q at each context
+    node, the layout `tree.resample_tree` reads: index 0 the context's last
+    token, j + 1 node j; the children of a context are drawn from its q
+    without replacement, and it is 0 where a node has no children.
   state: the drafter's state after drafting.
   target_cache: the target's cache, as the drafter leaves it.
   parents: None for a chain (node i follows node i - 1). For a tree, [B, N]
     int32: node i's parent node, or -1 when it follows the context's last
-    token; parents[b, i] < i. `verify` scores either in one pass.
+    token, or tree.UNUSED (-2) when row b has no node i; parents[b, i] < i.
+    `verify` scores either in one pass.
   """
 
   tokens: jax.Array

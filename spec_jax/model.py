@@ -210,6 +210,35 @@ class KVCache:
     """
     return self.replace(lengths=lengths.astype(jnp.int32))
 
+  def compact(self, start: jax.Array, path: jax.Array) -> "KVCache":
+    """Moves an accepted tree path next to the context; the pointer stays.
+
+    A tree pass wrote node j at slot start[b] + j, each node attending to
+    the context (the slots before start) and to its own ancestors only.
+    `path` [B, D] lists the accepted root-to-node path's nodes, -1 past its
+    end; afterwards slot start[b] + i holds node path[b, i]'s keys and
+    values. Invariant: a path node saw exactly the context and the nodes
+    before it on the path, at the same positions, so with n accepted nodes
+    the first start + n slots are then what a chain pass over the accepted
+    tokens writes (to float rounding), and `rollback` to any length up to
+    start + n leaves the cache a prefill of the accepted sequence would.
+    Path nodes never move left past each other (path[b, i] >= i), and the
+    gather reads the old cache, so no move overwrites a node still to move.
+    """
+    num_slots = self.keys[0].shape[2]
+    offset = jnp.arange(path.shape[1])
+    source = start[:, None] + jnp.maximum(path, 0)  # [B, D]
+    # Slots past the path's end go out of range and are dropped.
+    target = jnp.where(path >= 0, start[:, None] + offset, num_slots)
+
+    def move(cache: jax.Array) -> jax.Array:  # [B, K, S, Dh]
+      nodes = jnp.take_along_axis(cache, source[:, None, :, None], axis=2,
+                                  mode="clip")
+      return _write(cache, nodes, target)
+
+    return self.replace(keys=tuple(map(move, self.keys)),
+                        values=tuple(map(move, self.values)))
+
 
 def init_cache(
     config: TransformerConfig, batch_size: int, max_len: int

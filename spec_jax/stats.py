@@ -31,12 +31,18 @@ class DecodeStats:
   row_cycles: jax.Array  # [B] cycles each row took part in.
   drafted: jax.Array  # [B] draft tokens proposed, verified or not.
   accepted: jax.Array  # [B] draft tokens accepted.
-  accepted_per_position: jax.Array  # [G] row-cycles that accepted draft i.
+  # [G] row-cycles that accepted draft i; for a tree [D], row-cycles whose
+  # accepted path reached depth i + 1.
+  accepted_per_position: jax.Array
   overlap_sum: jax.Array  # [B] sum over verified positions of sum_x min(p, q).
-  verified: jax.Array  # [B] verified positions: accepted + the rejected one.
+  # [B] verified positions: accepted + the rejected one (for a tree, the
+  # contexts with children on the accepted path).
+  verified: jax.Array
 
   @classmethod
   def zeros(cls, batch_size: int, gamma: int) -> "DecodeStats":
+    """Counters at 0; gamma sizes the acceptance by position (a tree's depth
+    for a tree)."""
     row = jnp.zeros((batch_size,), jnp.int32)
     return cls(
         cycles=jnp.zeros((), jnp.int32), row_cycles=row, drafted=row,
@@ -45,7 +51,7 @@ class DecodeStats:
 
   def record_cycle(self, active, proposed, num_accepted,
                    overlap) -> "DecodeStats":
-    """The counters after one cycle.
+    """The counters after one cycle of a chain.
 
     Args:
       active: [B] bool, rows still generating when the cycle began.
@@ -55,17 +61,35 @@ class DecodeStats:
       overlap: [B, G] sum_x min(p, q) at each position.
     """
     position = jnp.arange(proposed.shape[1])
-    proposed = active[:, None] & proposed
     # The accepted positions and the first rejected one.
     verified = proposed & (position <= num_accepted[:, None])
+    return self.record(active, proposed, verified, num_accepted, overlap)
+
+  def record(self, active, drafted, verified, num_accepted,
+             overlap) -> "DecodeStats":
+    """The counters after one cycle of a chain or a tree.
+
+    Args:
+      active: [B] bool, rows still generating when the cycle began.
+      drafted: [B, N] bool, the drafts (chain positions, tree nodes) a row
+        proposed and the target scored.
+      verified: [B, M] bool, where a draft law was tested: a chain's accepted
+        positions and its first rejected one; the context nodes on a tree's
+        accepted path that have children.
+      num_accepted: [B] accepted drafts, the accepted path's length.
+      overlap: [B, M] sum_x min(p, q) at the same M positions or contexts.
+    """
+    depth = self.accepted_per_position.shape[0]
     accepted = jnp.where(active, num_accepted, 0)
+    drafted = active[:, None] & drafted
+    verified = active[:, None] & verified
     return DecodeStats(
         cycles=self.cycles + 1,
         row_cycles=self.row_cycles + active,
-        drafted=self.drafted + proposed.sum(-1),
+        drafted=self.drafted + drafted.sum(-1),
         accepted=self.accepted + accepted,
         accepted_per_position=self.accepted_per_position + jnp.sum(
-            position < accepted[:, None], axis=0),
+            jnp.arange(depth) < accepted[:, None], axis=0),
         overlap_sum=self.overlap_sum + jnp.where(verified, overlap, 0.0).sum(-1),
         verified=self.verified + verified.sum(-1))
 
@@ -112,6 +136,12 @@ class DecodeStats:
     return float(self.accepted.sum() / max(int(self.row_cycles.sum()), 1))
 
   @property
+  def nodes_per_cycle(self) -> float:
+    """Drafts the target scored per row-cycle: gamma for a chain (fewer with
+    dynamic gamma or prompt lookup), the used nodes of a tree."""
+    return float(self.drafted.sum() / max(int(self.row_cycles.sum()), 1))
+
+  @property
   def mean_overlap(self) -> float:
     """Mean of sum_x min(p, q) over verified positions: the model's alpha."""
     return float(self.overlap_sum.sum() / max(int(self.verified.sum()), 1))
@@ -144,6 +174,7 @@ class DecodeStats:
         "acceptance_rate": self.acceptance_rate,
         "tokens_per_cycle": self.tokens_per_cycle,
         "accepted_per_cycle": self.accepted_per_cycle,
+        "nodes_per_cycle": self.nodes_per_cycle,
         "mean_overlap": self.mean_overlap,
         "accepted_per_position": [int(x) for x in self.accepted_per_position],
         "position_acceptance": self.position_acceptance.tolist(),

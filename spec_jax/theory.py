@@ -70,3 +70,17 @@ def predicted_speedup(cycle_s, target_step_s, *, ar_steps, sd_cycles,
   sd_s = (sd_cycles * np.asarray(cycle_s)
           + num_prefills * (target_prefill_s + draft_prefill_s))
   return ar_s / sd_s
+
+
+def speedup_from_depth_acceptance(depth_acceptance, draft_cost, verify_cost):
+  """(1 + sum_d a_d) / (draft_cost + verify_cost), for a chain or a tree.
+
+  a_d = P(a cycle accepts d drafts or more), by depth d = 1..D (a chain's
+  acceptance by position, `DecodeStats.position_acceptance`), so the
+  numerator is tau; draft_cost and verify_cost are the cycle's draft passes
+  and its verify of all N drafts, in target steps. A verify that costs one
+  step whatever N (an accelerator with room to spare) is verify_cost = 1.
+  """
+  tau = 1 + np.sum(np.asarray(depth_acceptance, np.float64), axis=-1)
+  return tau / (np.asarray(draft_cost) + np.asarray(verify_cost))
+

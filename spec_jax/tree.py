@@ -26,6 +26,9 @@ q = 0 at its context. Where r == s the residual is empty, a rejection has
 probability 0, and r falls back to itself (no NaN).
 """
 
+import functools
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,7 +66,7 @@ def _residual(r: jax.Array, s: jax.Array) -> jax.Array:
 
 
 def _resample_row(key, tree_tokens, parents, draft_probs, target_probs, depth,
-                  greedy):
+                  greedy, residual, without):
   """One row: tree_tokens, parents [N]; draft/target_probs [N+1, V]."""
   num_nodes = tree_tokens.shape[0]
   accept_key, emit_key = jax.random.split(key)
@@ -83,7 +86,7 @@ def _resample_row(key, tree_tokens, parents, draft_probs, target_probs, depth,
                                                              s_token, 1.0)),
           0.0)
       accepted = is_child & (u < accept_prob)
-      r_rejected, s_rejected = _residual(r, s), _without(s, token)
+      r_rejected, s_rejected = residual(r, s), without(s, token)
     rejected = is_child & ~accepted
     # Topological order: once i is accepted, its children all come later.
     r = jnp.where(accepted, target_probs[i + 1],
@@ -122,6 +125,8 @@ def resample_tree(
     *,
     greedy: bool = False,
     depth: int | None = None,
+    residual: Callable[[jax.Array, jax.Array], jax.Array] = _residual,
+    without: Callable[[jax.Array, jax.Array], jax.Array] = _without,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Accepts a root-to-node path of the tree and appends one token.
 
@@ -141,6 +146,10 @@ def resample_tree(
     depth: D, static, at least the tree's depth. By default it is the depth
       of the deepest row, `tree_depth(parents)`; under jit, where parents is
       traced, it defaults to N, the deepest a tree of N nodes can be.
+    residual: (r [V], s [V]) -> r after a rejection, norm(max(0, r - s)).
+    without: (s [V], token) -> s after a rejection, s with the token
+      removed. Exact only as the defaults; a negative control passes a wrong
+      one (e.g. `without=lambda s, token: s` keeps tried siblings in s).
 
   Returns:
     tokens [B, D+1] int32: the accepted path's tokens, then the correction
@@ -155,6 +164,7 @@ def resample_tree(
     else:
       depth = tree_depth(parents)
   keys = jax.random.split(key, tree_tokens.shape[0])
-  return jax.vmap(_resample_row, in_axes=(0, 0, 0, 0, 0, None, None))(
-      keys, tree_tokens.astype(jnp.int32), parents.astype(jnp.int32),
-      draft_probs, target_probs, depth, greedy)
+  row = functools.partial(_resample_row, depth=depth, greedy=greedy,
+                          residual=residual, without=without)
+  return jax.vmap(row)(keys, tree_tokens.astype(jnp.int32),
+                       parents.astype(jnp.int32), draft_probs, target_probs)

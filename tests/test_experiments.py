@@ -304,3 +304,39 @@ def test_main_job_reports_categories_from_a_question_file(tiny_models,
   assert (tmp_path / "categories.png").read_bytes()[:4] == b"\x89PNG"
   for sample in run["samples"]:
     assert sample["sd_tokens"] == sample["ar_tokens"]
+
+
+@pytest.mark.slow  # 60 s: four decode loops and their timers compile
+def test_tree_ablation_smoke_run_writes_json_csv_and_plot(tiny_models,
+                                                          tmp_path):
+  target, draft = tiny_models
+  result = run_module(
+      "experiments.tree_ablation", "--config=configs/tree_ablation.py:runlocal",
+      f"--workdir={tmp_path}", f"--config.target={target}",
+      f"--config.draft={draft}", f"--config.corpus={CORPUS}",
+      "--config.temperatures=0,1", "--config.prompt_tokens=8")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "[4/4] T=1 tree 2,1" in result.stderr  # progress per row
+  rows = json.loads((tmp_path / "trees.json").read_text())["rows"]
+  assert [(r["shape"], r["temperature"]) for r in rows] == [
+      ("chain 2", 0), ("tree 2,1", 0), ("chain 2", 1), ("tree 2,1", 1)]
+  for row in rows:
+    assert row["nodes_per_cycle"] <= row["num_nodes"]
+    assert len(row["depth_acceptance"]) == row["depth"] == 2
+    assert row["tokens_per_cycle"] == pytest.approx(
+        1 + sum(row["depth_acceptance"]))
+    assert row["verify_cost"] > 0 and row["flat_verify_speedup"] > 0
+  assert (tmp_path / "trees.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tree_config_builds_a_tree_drafter():
+  config = quickstart_configs.get_config()
+  config.tree = (3, 2, 1, 1)
+  drafter = loading.make_drafter(config, None, sj.Model.init(
+      sj.TransformerConfig(vocab_size=17, d_model=16, num_layers=1,
+                           num_heads=2, d_ff=32, max_len=64),
+      jax.random.key(0)))
+  assert drafter.template == sj.TreeTemplate((3, 2, 1, 1))
+  config.drafter = "ngram"
+  with pytest.raises(ValueError, match="drafter=model"):
+    config_lib.check(config)

@@ -15,6 +15,7 @@ import ml_collections
 
 from spec_jax import rejection
 from spec_jax.decoding import DecodeConfig
+from spec_jax.draft_tree import TreeTemplate
 from spec_jax.sampling import Sampling
 
 DRAFTERS = ("model", "ngram", "layer_skip")
@@ -49,6 +50,10 @@ def base_config() -> ml_collections.ConfigDict:
   # min(1, p/q), left to right) or "block" (block verification, Sun et al.
   # 2024: the same law, at least as many accepted drafts in expectation).
   config.verification = "token"
+  # For drafter=model: () drafts a chain of gamma; branching factors per
+  # depth, e.g. --config.tree=3,2,1,1, draft a tree of that shape instead
+  # (spec_jax.TreeTemplate), verified in one pass; gamma is then unused.
+  config.tree = ()
   # Temperatures, one run each; 0 is greedy.
   config.temperatures = (0.0, 1.0)
   # Top-k (0 keeps all) and top-p (1 keeps all), applied to p and q alike.
@@ -137,6 +142,19 @@ def decode_config(config: ml_collections.ConfigDict, temperature: float, *,
       resample=RESAMPLERS[config.verification])
 
 
+def chains(config: ml_collections.ConfigDict) -> tuple[int, ...]:
+  """config.chains (the tree ablation's chain lengths) as ints >= 1."""
+  values = _ints(config.chains, "chains")
+  if min(values) < 1:
+    raise ValueError(f"chains={config.chains!r}: give gammas >= 1.")
+  return values
+
+
+def tree(config: ml_collections.ConfigDict) -> tuple[int, ...]:
+  """config.tree as ints; () for a chain."""
+  return _ints(config.tree, "tree") if config.get("tree") else ()
+
+
 def check(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError, before anything loads, on settings that cannot
   work."""
@@ -145,9 +163,16 @@ def check(config: ml_collections.ConfigDict) -> None:
   if config.verification not in RESAMPLERS:
     raise ValueError(f"verification={config.verification!r}: choose one of "
                      f"{tuple(RESAMPLERS)}.")
+  if tree(config):
+    if config.drafter != "model":
+      raise ValueError(f"tree={config.tree!r} drafts from a draft model; set "
+                       "--config.drafter=model.")
+    TreeTemplate(tree(config))
   for temperature in temperatures(config):
     sampling(config, temperature)
   if "gammas" in config:
     gammas(config)
+  if "chains" in config:
+    chains(config)
   if "gamma" in config:
     DecodeConfig(gamma=config.gamma, max_new_tokens=config.max_new_tokens)

@@ -20,7 +20,8 @@ from spec_jax import checkpoint, gguf, hf, pretrained, sharding
 from spec_jax.decoding import (DecodeConfig, generate_autoregressive,
                                pad_prompts)
 from spec_jax.bundle import ModelBundle
-from spec_jax.drafters import LayerSkipDrafter, ModelDrafter, NgramDrafter
+from spec_jax.drafters import (LayerSkipDrafter, ModelDrafter, NgramDrafter,
+                               TreeDrafter)
 from spec_jax.sampling import Sampling
 
 
@@ -105,11 +106,13 @@ def make_drafter(config: ml_collections.ConfigDict, target, draft=None):
   """The drafter config.drafter names, with its sub-config.
 
   model: the draft model (config.draft), dynamic gamma when
-    config.confidence_threshold > 0;
+    config.confidence_threshold > 0, or a tree of config.tree's shape;
   ngram: prompt lookup with config.ngram.max_n / min_n;
   layer_skip: the target's first config.layer_skip.num_layers layers, dynamic
     gamma as for model.
   """
+  if config.drafter == "model" and config_lib.tree(config):
+    return TreeDrafter(draft, config_lib.tree(config))
   if config.drafter == "model":
     return ModelDrafter(draft, confidence_threshold=config.confidence_threshold)
   if config.drafter == "ngram":

@@ -122,6 +122,22 @@ def categories_figure(runs) -> Figure:
                        "Speedup over autoregressive decoding by task")
 
 
+def tree_ablation_figure(rows) -> Figure:
+  """Measured speedup of each chain and tree (bars labelled with tau and the
+  verify cost in target steps), and what a flat verify cost would give."""
+  temperatures = sorted({r["temperature"] for r in rows})
+  series = []
+  for t in temperatures:
+    at = [r for r in rows if r["temperature"] == t]
+    series.append((f"T={t:g} measured", {r["shape"]: r["speedup"] for r in at},
+                   {r["shape"]: f"tau {r['tokens_per_cycle']:.2f}, verify "
+                    f"{r['verify_cost']:.1f}" for r in at}))
+    series.append((f"T={t:g} predicted, verify at 1 step",
+                   {r["shape"]: r["flat_verify_speedup"] for r in at}, None))
+  return _speedup_bars(list(dict.fromkeys(r["shape"] for r in rows)), series,
+                       "Trees against chains: speedup over autoregressive")
+
+
 FIGURES = {
     "tokens_per_cycle.png": tokens_per_cycle_figure,
     "speedup.png": speedup_figure,

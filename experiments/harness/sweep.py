@@ -109,9 +109,9 @@ def _best(rows: list[dict], key: str) -> dict:
       for t in temperatures}}
 
 
-def _measure(config, gamma: int, temperature: float, loaded: loading.Loaded,
-             prompts, width: int, max_len: int,
-             target_timer: timing.TargetTimer) -> tuple[dict, dict]:
+def measure_row(config, gamma: int, temperature: float,
+                loaded: loading.Loaded, prompts, width: int, max_len: int,
+                target_timer: timing.TargetTimer) -> tuple[dict, dict]:
   """One row's `compare_at` RUN and its cycle's component times, timed in
   rounds between the AR and SD runs' batches, so that a slow spell of the
   machine hits both sides of the comparison alike. The target's timer,
@@ -157,8 +157,8 @@ def gamma_sweep(config: ml_collections.ConfigDict, loaded: loading.Loaded,
         config_lib.sampling(config, temperature), steps=config.max_new_tokens)
     runs = []
     for gamma in gammas:
-      runs.append(_measure(config, gamma, temperature, loaded, prompts, width,
-                           max_len, target_timer))
+      runs.append(measure_row(config, gamma, temperature, loaded, prompts,
+                              width, max_len, target_timer))
       run = runs[-1][0]
       done += 1
       elapsed = time.perf_counter() - start

@@ -28,9 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import rejection
-from spec_jax.decoding import DecodeConfig
+from spec_jax.decoding import DecodeConfig, cycle_size
 from spec_jax.model import Model
 from spec_jax.sampling import Sampling
+from spec_jax.tree import resample_tree
 from spec_jax.verification import verify
 
 
@@ -113,26 +114,47 @@ def _propose_steps(drafter, state, target_cache, tokens, lengths, key,
                            (state, target_cache, jnp.zeros(())))
 
 
-@functools.partial(jax.jit, static_argnames="sampling")
+def _verify_and_resample(target: Model, cache, tokens, lengths, draft_tokens,
+                         draft_probs, parents, key, sampling: Sampling,
+                         depth: int, hidden_layers=()):
+  """A verify pass and its rejection step, as the decode loop runs them: a
+  chain's `resample`, or a tree's `resample_tree` and the target cache's
+  compaction. Returns (new_tokens, num_accepted, verified, path or None)."""
+  verified = verify(target, cache, tokens, lengths, draft_tokens, sampling,
+                    parents=parents, hidden_layers=hidden_layers)
+  if parents is None:
+    new_tokens, num_accepted = rejection.resample(
+        key, draft_tokens, draft_probs, verified.probs, greedy=sampling.greedy)
+    return new_tokens, num_accepted, verified, None
+  new_tokens, num_accepted, path = resample_tree(
+      key, draft_tokens, parents, draft_probs, verified.probs,
+      greedy=sampling.greedy, depth=depth)
+  return (new_tokens, num_accepted,
+          verified.replace(cache=verified.cache.compact(lengths, path)), path)
+
+
+@functools.partial(jax.jit, static_argnames=("sampling", "depth"))
 def _verify_steps(target: Model, cache, tokens, lengths, draft_tokens,
-                  draft_probs, key, num_steps, sampling: Sampling):
-  """num_steps verify passes over gamma + 1 tokens, each with `resample`."""
+                  draft_probs, parents, key, num_steps, sampling: Sampling,
+                  depth: int):
+  """num_steps verify passes over N + 1 tokens (a chain's, or a tree's with
+  parents), each with its rejection step."""
 
   def step(i, carry):
     draft_tokens, cache = carry
-    verified = verify(target, cache, tokens, lengths, draft_tokens, sampling)
-    new_tokens, _ = rejection.resample(
-        jax.random.fold_in(key, i), draft_tokens, draft_probs, verified.probs,
-        greedy=sampling.greedy)
+    new_tokens, _, verified, _ = _verify_and_resample(
+        target, cache, tokens, lengths, draft_tokens, draft_probs, parents,
+        jax.random.fold_in(key, i), sampling, depth)
     # Feeding the output back keeps the compiler from hoisting the pass.
-    return new_tokens[:, :-1], verified.cache.rollback(cache.lengths)
+    return (draft_tokens.at[:, 0].set(new_tokens[:, 0]),
+            verified.cache.rollback(cache.lengths))
 
   return jax.lax.fori_loop(0, num_steps, step, (draft_tokens, cache))
 
 
-@functools.partial(jax.jit, static_argnames=("gamma", "sampling"))
+@functools.partial(jax.jit, static_argnames=("gamma", "sampling", "depth"))
 def _cycle_steps(target: Model, drafter, state, target_cache, tokens, lengths,
-                 key, num_steps, gamma: int, sampling: Sampling):
+                 key, num_steps, gamma: int, sampling: Sampling, depth: int):
   """num_steps propose -> verify -> resample cycles: the decode loop's body
   without its bookkeeping (emitting tokens, counting statistics)."""
 
@@ -141,14 +163,15 @@ def _cycle_steps(target: Model, drafter, state, target_cache, tokens, lengths,
     propose_key, resample_key = jax.random.split(jax.random.fold_in(key, i))
     proposal = drafter.propose(state, target_cache, tokens, lengths,
                                propose_key, gamma, sampling)
-    verified = verify(target, proposal.target_cache, tokens, lengths,
-                      proposal.tokens, sampling,
-                      hidden_layers=drafter.target_layers)
-    new_tokens, num_accepted = rejection.resample(
-        resample_key, proposal.tokens, proposal.probs, verified.probs,
-        greedy=sampling.greedy)
+    new_tokens, num_accepted, verified, path = _verify_and_resample(
+        target, proposal.target_cache, tokens, lengths, proposal.tokens,
+        proposal.probs, proposal.parents, resample_key, sampling, depth,
+        drafter.target_layers)
+    state = proposal.state
+    if path is not None:
+      state = drafter.compact(state, lengths, path)
     checksum += new_tokens.sum() + num_accepted.sum()
-    return (drafter.update(proposal.state, lengths - 1, verified),
+    return (drafter.update(state, lengths - 1, verified),
             verified.cache.rollback(target_cache.lengths), checksum)
 
   return jax.lax.fori_loop(0, num_steps, step,
@@ -264,11 +287,12 @@ class CycleTimer:
 
   Args:
     target: the target model.
-    drafter: any drafter; a draft step is one propose call over gamma.
+    drafter: any drafter; a draft step is one propose call over gamma, or
+      over a tree drafter's depth (one draft pass per depth).
     batch_size: rows decoded together.
     prompt_width: padded prompt width.
     max_len: cache length, as in the decode loop (prompt width +
-      max_new_tokens + gamma + 1).
+      max_new_tokens + N + 1, N = gamma or a tree's node count).
     config: gamma and sampling as in the decode loop.
     cycles: the long run's length for a cycle.
   """
@@ -277,15 +301,20 @@ class CycleTimer:
                prompt_width: int, max_len: int, config: DecodeConfig,
                cycles: int = 32):
     gamma, sampling = config.gamma, config.sampling
-    self.gamma = gamma
+    num_nodes, self.depth = cycle_size(drafter, config)
+    template = getattr(drafter, "template", None)
     key = jax.random.key(0)
     tokens, lengths, full, target_cache = _context(target, batch_size,
                                                    max_len)
     draft_state = drafter.update(drafter.prefill(tokens, full, max_len),
                                  lengths - 1, None)
-    draft_tokens = tokens[:, :gamma]
-    draft_probs = jnp.full((batch_size, gamma, target.vocab_size),
-                           1.0 / target.vocab_size)
+    draft_tokens = tokens[:, :num_nodes]
+    # A tree's q sits at its N + 1 context nodes, a chain's at its drafts.
+    parents = (None if template is None else
+               jnp.broadcast_to(template.parents, (batch_size, num_nodes)))
+    draft_probs = jnp.full(
+        (batch_size, num_nodes + (parents is not None), target.vocab_size),
+        1.0 / target.vocab_size)
     prompts = tokens[:, :prompt_width]
     prompt_lengths = jnp.full((batch_size,), prompt_width, jnp.int32)
     self.parts = RoundTimer(
@@ -294,13 +323,13 @@ class CycleTimer:
             gamma, sampling),
          "verify": lambda n: _verify_steps(
              target, target_cache, tokens, lengths, draft_tokens, draft_probs,
-             key, n, sampling)},
+             parents, key, n, sampling, self.depth)},
         {"draft_prefill": lambda: drafter.prefill(prompts, prompt_lengths,
                                                   max_len)})
     self.cycle = RoundTimer(
         {"cycle": lambda n: _cycle_steps(
             target, drafter, draft_state, target_cache, tokens, lengths, key,
-            n, gamma, sampling)}, long=cycles)
+            n, gamma, sampling, self.depth)}, long=cycles)
 
   def time_round(self) -> None:
     self.parts.time_round()
@@ -310,7 +339,8 @@ class CycleTimer:
   def seconds(self) -> dict:
     times = {**self.parts.seconds(), **self.cycle.seconds()}
     return {
-        "draft_step_s": times["propose"] / self.gamma,
+        # One draft step per depth: gamma for a chain, D passes for a tree.
+        "draft_step_s": times["propose"] / self.depth,
         "verify_s": times["verify"],
         "cycle_s": times["cycle"],
         "draft_prefill_s": times["draft_prefill"],

@@ -1,0 +1,132 @@
+"""The tree ablation: draft trees against chains at a similar verify budget.
+
+Each shape is a chain of gamma drafts (`ModelDrafter`) or a tree template
+(`TreeDrafter`), drafted by the same draft model. For every (temperature,
+shape) the ablation runs AR and SD side by side on the same prompts and times
+the cycle's parts between their batches (`sweep.measure_row`, as the gamma
+sweep does), then sets beside the measured speedup what the acceptance by
+depth predicts:
+
+  predicted  = (1 + sum_d a_d) / (D draft passes + verify of N drafts),
+  flat       = the same with the verify at 1 target step,
+
+costs in target steps (`theory.speedup_from_depth_acceptance`). On this CPU a
+verify of N drafts costs more the larger N is; "flat" is what an accelerator
+whose verify costs about one step at this N would give.
+"""
+
+import dataclasses
+import logging
+import time
+
+import ml_collections
+import numpy as np
+
+from experiments.harness import compare, loading, sweep, timing
+from experiments.harness import config as config_lib
+from spec_jax import theory
+from spec_jax.decoding import pad_prompts
+from spec_jax.draft_tree import TreeTemplate
+from spec_jax.drafters import ModelDrafter, TreeDrafter
+
+_log = logging.getLogger(__name__)
+
+
+def shapes(config: ml_collections.ConfigDict) -> list[tuple[str, object]]:
+  """[(name, drafter factory argument)]: config.chains gammas, then
+  config.trees templates."""
+  chains = [(f"chain {g}", g) for g in config_lib.chains(config)]
+  trees = [(f"tree {','.join(map(str, t))}", TreeTemplate(tuple(t)))
+           for t in config.trees]
+  return chains + trees
+
+
+def _drafter(draft, shape):
+  """(drafter, gamma, N, D) for a chain's gamma or a tree's template."""
+  if isinstance(shape, TreeTemplate):
+    return (TreeDrafter(draft, shape), shape.num_nodes, shape.num_nodes,
+            shape.depth)
+  return ModelDrafter(draft), shape, shape, shape
+
+
+def _row(name: str, num_nodes: int, depth: int, run: dict, parts: dict,
+         ar_seconds: float) -> dict:
+  """One ablation row from a `compare_at` RUN, the component times and the
+  AR time pooled over the temperature's rows."""
+  sd, step = run["sd"], parts["target_step_s"]
+  depth_acceptance = sd["position_acceptance"]
+  draft_cost = depth * parts["draft_step_s"] / step
+  verify_cost = parts["verify_s"] / step
+  ar_tokens_per_s = run["ar"]["new_tokens"] / ar_seconds
+  speedup = sd["tokens_per_s"] / ar_tokens_per_s
+  predicted = float(theory.speedup_from_depth_acceptance(
+      depth_acceptance, draft_cost, verify_cost))
+  return {
+      "shape": name, "num_nodes": num_nodes, "depth": depth,
+      "temperature": run["temperature"],
+      "tokens_per_cycle": sd["tokens_per_cycle"],
+      "nodes_per_cycle": sd["nodes_per_cycle"],
+      "alpha_min_pq": sd["mean_overlap"],
+      # P(the accepted path reaches depth d), d = 1..D.
+      "depth_acceptance": depth_acceptance,
+      "draft_cost": draft_cost, "verify_cost": verify_cost,
+      "cycle_cost": parts["cycle_s"] / step, **parts,
+      "ar_tokens_per_s": ar_tokens_per_s,
+      "sd_tokens_per_s": sd["tokens_per_s"],
+      "speedup": speedup,
+      "predicted_speedup": predicted,
+      "measured_over_predicted": speedup / predicted,
+      "flat_verify_speedup": float(theory.speedup_from_depth_acceptance(
+          depth_acceptance, draft_cost, 1.0)),
+  }
+
+
+def tree_ablation(config: ml_collections.ConfigDict, loaded: loading.Loaded,
+                  prompts) -> list[dict]:
+  """Runs every (temperature, shape) of config on the same prompts; one row
+  each, with a progress line."""
+  draft = loaded.drafter.model
+  variants = [(name, *_drafter(draft, shape))
+              for name, shape in shapes(config)]
+  temperatures = config_lib.temperatures(config)
+  prompts = loading.Prompts.of(prompts)
+  width = pad_prompts(compare.encode(prompts, loaded.target.tokenizer))[
+      0].shape[1]
+  # One cache length for every shape (the largest N's loop), so that the
+  # target step and the prefills compile once.
+  max_len = width + config.max_new_tokens + max(v[2] for v in variants) + 1
+  rows, total = [], len(variants) * len(temperatures)
+  start = time.perf_counter()
+  for temperature in temperatures:
+    target_timer = timing.TargetTimer(
+        loaded.target.model, config.batch_size, width, max_len,
+        config_lib.sampling(config, temperature), steps=config.max_new_tokens)
+    runs = []
+    for name, drafter, gamma, num_nodes, depth in variants:
+      run, parts = sweep.measure_row(
+          config, gamma, temperature, dataclasses.replace(loaded,
+                                                          drafter=drafter),
+          prompts, width, max_len, target_timer)
+      runs.append((name, num_nodes, depth, run, parts))
+      elapsed = time.perf_counter() - start
+      _log.info("[%d/%d] T=%g %s: tau %.2f, speedup %.2fx | %.0f s",
+                len(rows) + len(runs), total, temperature, name,
+                run["sd"]["tokens_per_cycle"], run["speedup"], elapsed)
+    ar_seconds = float(np.median([r[3]["ar"]["wall_s"] for r in runs]))
+    rows.extend(_row(*r[:4], {**r[4], **target_timer.seconds()}, ar_seconds)
+                for r in runs)
+  return rows
+
+
+def format_table(rows: list[dict]) -> str:
+  lines = [f"{'T':>3} {'shape':<16} {'N':>3} {'D':>2} {'tau':>5} "
+           f"{'verify':>6} {'cycle':>6} {'speedup':>7} {'predicted':>9} "
+           f"{'flat':>6}"]
+  for r in rows:
+    lines.append(
+        f"{r['temperature']:>3g} {r['shape']:<16} {r['num_nodes']:>3d} "
+        f"{r['depth']:>2d} {r['tokens_per_cycle']:>5.2f} "
+        f"{r['verify_cost']:>6.2f} {r['cycle_cost']:>6.2f} "
+        f"{r['speedup']:>6.2f}x {r['predicted_speedup']:>8.2f}x "
+        f"{r['flat_verify_speedup']:>5.2f}x")
+  return "\n".join(lines)
