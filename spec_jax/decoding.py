@@ -186,7 +186,7 @@ def _check_tree(key, target, drafter, proposal, state, config) -> _Checked:
     new_tokens, num_accepted, path = config.resample_tree(
         key, proposal.tokens, proposal.parents, proposal.probs,
         verified.probs, greedy=sampling.greedy,
-        depth=drafter.template.depth)
+        depth=drafter.cycle_shape(config.gamma)[1])
   # Contexts on the accepted path: the root (0) and node path[i] (i + 1).
   context = jnp.arange(proposal.probs.shape[1])
   on_path = (context == 0) | jnp.any(path[..., None] + 1 == context,
@@ -236,21 +236,11 @@ def _speculative_step(
   )
 
 
-def cycle_size(drafter: Drafter, config: DecodeConfig) -> tuple[int, int]:
-  """(N, D): the drafts the target verifies per cycle and the most a cycle
-  accepts. gamma and gamma for a chain; a tree drafter's template's node
-  count and depth."""
-  template = getattr(drafter, "template", None)
-  if template is None:
-    return config.gamma, config.gamma
-  return template.num_nodes, template.depth
-
-
 def _initial_state(key, target, drafter, prompts, prompt_lengths,
                    config) -> DecodeState:
   """Both caches prefilled, in a buffer whose scratch tail holds a cycle's
   whole verify pass: N + 1 slots past any row's last output."""
-  num_nodes, depth = cycle_size(drafter, config)
+  num_nodes, depth = drafter.cycle_shape(config.gamma)
   tokens = _init_tokens(prompts, config, scratch=num_nodes + 1)
   max_len = tokens.shape[1]
   return DecodeState(

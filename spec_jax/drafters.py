@@ -40,6 +40,9 @@ class ModelDrafter:
           f"max_len={self.model.config.max_len}; shorten the prompt or lower "
           "max_new_tokens.")
 
+  def cycle_shape(self, gamma: int) -> tuple[int, int]:
+    return gamma, gamma  # a chain
+
   def describe(self) -> str:
     return f"draft model, {self.model.num_params:,} params"
 
@@ -88,6 +91,10 @@ class TreeDrafter:
       raise ValueError(
           f"branching={self.template.branching}: a node cannot have more "
           f"distinct children than the {self.vocab_size} tokens.")
+
+  def cycle_shape(self, gamma: int) -> tuple[int, int]:
+    del gamma  # the template fixes the tree
+    return self.template.num_nodes, self.template.depth
 
   def describe(self) -> str:
     return (f"draft model tree {self.template.branching} "
@@ -140,6 +147,9 @@ class LayerSkipDrafter:
           f"layer skip with num_layers={self.num_layers}: the draft must use "
           f"between 1 and {target.config.num_layers - 1} of the target's "
           f"{target.config.num_layers} layers.")
+
+  def cycle_shape(self, gamma: int) -> tuple[int, int]:
+    return gamma, gamma  # a chain
 
   def describe(self) -> str:
     return f"layer skip, {self.num_layers} layers"
@@ -219,6 +229,9 @@ class NgramDrafter:
   def validate(self, target: Model, max_len: int) -> None:
     del max_len  # no cache of its own
     check_vocabulary(self.vocab_size, target)
+
+  def cycle_shape(self, gamma: int) -> tuple[int, int]:
+    return gamma, gamma  # a chain
 
   def describe(self) -> str:
     return f"prompt lookup, n = {self.max_n}..{self.min_n}"

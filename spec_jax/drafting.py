@@ -8,6 +8,9 @@ a new class (drafters.py has three) and the loop does not change:
   describe() -> str           one line for logs and results files;
   target_layers               the target blocks whose hidden states it reads
                               from `verify` (() for none);
+  cycle_shape(gamma) -> (N, D) the drafts verified per cycle and the most a
+                              cycle accepts: (gamma, gamma) for a chain, by
+                              which the loop sizes its buffers and statistics;
   prefill(prompts, prompt_lengths, max_len) -> state
   propose(state, target_cache, tokens, lengths, key, gamma, sampling)
       -> Proposal
@@ -23,10 +26,8 @@ how a row drafts fewer than gamma tokens. A drafter is a pytree: parameters
 are leaves, settings static metadata, so it passes through `jax.jit`.
 
 A tree drafter (TreeDrafter) proposes a tree, whose Proposal carries
-parents, and has two more members:
+parents, and has one more method:
 
-  template                    its static TreeTemplate, by which the loop
-                              sizes its buffers and the resampling depth;
   compact(state, start, path) -> state
                               moves the accepted path's keys and values next
                               to the context (`KVCache.compact`), before
@@ -98,6 +99,8 @@ class Drafter(Protocol):
 
   @property
   def target_layers(self) -> tuple[int, ...]: ...
+
+  def cycle_shape(self, gamma: int) -> tuple[int, int]: ...
 
   def validate(self, target: Model, max_len: int) -> None: ...
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import rejection
-from spec_jax.decoding import DecodeConfig, cycle_size
+from spec_jax.decoding import DecodeConfig
 from spec_jax.model import Model
 from spec_jax.sampling import Sampling
 from spec_jax.tree import resample_tree
@@ -301,7 +301,7 @@ class CycleTimer:
                prompt_width: int, max_len: int, config: DecodeConfig,
                cycles: int = 32):
     gamma, sampling = config.gamma, config.sampling
-    num_nodes, self.depth = cycle_size(drafter, config)
+    num_nodes, self.depth = drafter.cycle_shape(config.gamma)
     template = getattr(drafter, "template", None)
     key = jax.random.key(0)
     tokens, lengths, full, target_cache = _context(target, batch_size,
