@@ -18,7 +18,7 @@ Importing spec_jax loads only what decoding needs: jax, flax, numpy and the
 checkpoint readers; the experiment harness lives in experiments/.
 """
 
-from spec_jax import sharding, theory
+from spec_jax import sharding, theory, verification
 from spec_jax.checkpoint import load_model, save_model
 from spec_jax.decoding import (
     PAD_ID,
@@ -62,5 +62,6 @@ __all__ = [
     "generate_autoregressive", "load_gguf", "load_hf", "load_model",
     "overlap", "pad_prompts", "prompt_lookup", "propose", "resample",
     "resample_tree", "save_hf", "save_model", "score", "sharding", "theory",
+    "verification",
     "verify",
 ]

@@ -27,7 +27,7 @@ from spec_jax.drafting import Drafter, DraftState, VerifyOutput
 from spec_jax.model import KVCache, Model
 from spec_jax.sampling import Sampling
 from spec_jax.stats import DecodeStats
-from spec_jax.verification import verify
+from spec_jax.verification import verify, verify_proposed, verify_widths
 
 # Output slots past a row's end hold this value.
 PAD_ID = -1
@@ -48,6 +48,11 @@ class DecodeConfig:
     as a negative control.
   resample_tree: the same for a tree drafter's proposals, any function with
     `tree.resample_tree`'s contract.
+  verify_buckets: how many verify widths a chain cycle chooses from, by the
+    longest proposal in the batch (`verification.verify_widths`): 1 always
+    verifies gamma + 1 tokens; 2 adds a plain target step for cycles in which
+    no row proposed anything; 3 adds gamma // 2 + 1. Each width is compiled
+    into the loop; the output law does not depend on it.
   """
 
   gamma: int = 4
@@ -56,12 +61,15 @@ class DecodeConfig:
   eos_id: int | tuple[int, ...] | None = None
   resample: Callable = rejection.resample
   resample_tree: Callable = tree.resample_tree
+  verify_buckets: int = 2
 
   def __post_init__(self):
     if self.gamma < 1:
       raise ValueError(f"gamma={self.gamma}: need at least one draft token.")
     if self.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1.")
+    if self.verify_buckets not in (1, 2, 3):
+      raise ValueError(f"verify_buckets={self.verify_buckets}: use 1, 2 or 3.")
     if self.eos_id is not None and not isinstance(self.eos_id, int):
       object.__setattr__(self, "eos_id", tuple(int(i) for i in self.eos_id))
 
@@ -155,9 +163,11 @@ def _check_chain(key, target, drafter, proposal, state, config) -> _Checked:
   """Verifies a chain and accepts a prefix of it (`config.resample`)."""
   sampling = config.sampling
   with jax.named_scope("verify"):
-    verified = verify(target, proposal.target_cache, state.tokens,
-                      state.lengths, proposal.tokens, sampling,
-                      hidden_layers=drafter.target_layers)
+    verified, width = verify_proposed(
+        target, proposal.target_cache, state.tokens, state.lengths,
+        proposal.tokens, proposal.probs, ~state.done, sampling,
+        verify_widths(config.gamma, config.verify_buckets),
+        hidden_layers=drafter.target_layers)
   with jax.named_scope("resample"):
     new_tokens, num_accepted = config.resample(
         key, proposal.tokens, proposal.probs, verified.probs,
@@ -167,7 +177,8 @@ def _check_chain(key, target, drafter, proposal, state, config) -> _Checked:
       proposed=rejection.draft_token_probs(proposal.tokens,
                                            proposal.probs) > 0,
       num_accepted=num_accepted,
-      overlap=rejection.overlap(proposal.probs, verified.probs))
+      overlap=rejection.overlap(proposal.probs, verified.probs)
+  ).count_width(width)
   # Draft i sits at slot lengths - 1 + i already: nothing to move.
   return _Checked(new_tokens, num_accepted, verified, verified.cache,
                   proposal.state, stats)
@@ -250,7 +261,9 @@ def _initial_state(key, target, drafter, prompts, prompt_lengths,
       target_cache=target.prefill(prompts, prompt_lengths, max_len),
       draft_state=drafter.prefill(prompts, prompt_lengths, max_len),
       key=key,
-      stats=DecodeStats.zeros(prompts.shape[0], depth),
+      stats=DecodeStats.zeros(prompts.shape[0], depth,
+                              len(verify_widths(config.gamma,
+                                                config.verify_buckets))),
   )
 
 

@@ -38,16 +38,25 @@ class DecodeStats:
   # [B] verified positions: accepted + the rejected one (for a tree, the
   # contexts with children on the accepted path).
   verified: jax.Array
+  # [K] loop iterations whose verify pass had the k-th of the widths the
+  # decode chose from (`verification.verify_widths`; one for a tree).
+  width_cycles: jax.Array
 
   @classmethod
-  def zeros(cls, batch_size: int, gamma: int) -> "DecodeStats":
+  def zeros(cls, batch_size: int, gamma: int,
+            num_widths: int = 1) -> "DecodeStats":
     """Counters at 0; gamma sizes the acceptance by position (a tree's depth
-    for a tree)."""
+    for a tree), num_widths the verify widths counted."""
     row = jnp.zeros((batch_size,), jnp.int32)
     return cls(
         cycles=jnp.zeros((), jnp.int32), row_cycles=row, drafted=row,
         accepted=row, accepted_per_position=jnp.zeros((gamma,), jnp.int32),
-        overlap_sum=jnp.zeros((batch_size,), jnp.float32), verified=row)
+        overlap_sum=jnp.zeros((batch_size,), jnp.float32), verified=row,
+        width_cycles=jnp.zeros((num_widths,), jnp.int32))
+
+  def count_width(self, index: jax.Array) -> "DecodeStats":
+    """Counts one verify pass of the index-th width."""
+    return self.replace(width_cycles=self.width_cycles.at[index].add(1))
 
   def record_cycle(self, active, proposed, num_accepted,
                    overlap) -> "DecodeStats":
@@ -83,7 +92,7 @@ class DecodeStats:
     accepted = jnp.where(active, num_accepted, 0)
     drafted = active[:, None] & drafted
     verified = active[:, None] & verified
-    return DecodeStats(
+    return self.replace(
         cycles=self.cycles + 1,
         row_cycles=self.row_cycles + active,
         drafted=self.drafted + drafted.sum(-1),
@@ -105,7 +114,8 @@ class DecodeStats:
         accepted_per_position=total(self.accepted_per_position,
                                     other.accepted_per_position),
         overlap_sum=rows(self.overlap_sum, other.overlap_sum),
-        verified=rows(self.verified, other.verified))
+        verified=rows(self.verified, other.verified),
+        width_cycles=total(self.width_cycles, other.width_cycles))
 
   @classmethod
   def merge(cls, stats: list["DecodeStats"]) -> "DecodeStats":
@@ -175,6 +185,7 @@ class DecodeStats:
         "tokens_per_cycle": self.tokens_per_cycle,
         "accepted_per_cycle": self.accepted_per_cycle,
         "nodes_per_cycle": self.nodes_per_cycle,
+        "width_cycles": [int(x) for x in self.width_cycles],
         "mean_overlap": self.mean_overlap,
         "accepted_per_position": [int(x) for x in self.accepted_per_position],
         "position_acceptance": self.position_acceptance.tolist(),

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 
+from spec_jax import sampling as sampling_lib
 from spec_jax.drafting import VerifyOutput
 from spec_jax.model import KVCache, Model
 from spec_jax.sampling import Sampling
@@ -68,3 +69,63 @@ def verify(
                                          parents=call_parents,
                                          hidden_layers=hidden_layers)
   return VerifyOutput(sampling.probs(logits), cache, hidden)
+
+
+def verify_widths(gamma: int, buckets: int) -> tuple[int, ...]:
+  """The verify passes a chain cycle may run, in tokens (the last token and
+  the drafts): 1 (a plain target step), then, with 3 buckets, gamma // 2 + 1,
+  and always gamma + 1."""
+  widths = {1: (), 2: (1,), 3: (1, gamma // 2 + 1)}[buckets]
+  return tuple(sorted(set(widths) | {gamma + 1}))
+
+
+def verify_proposed(
+    target: Model,
+    cache: KVCache,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    draft_tokens: jax.Array,
+    draft_probs: jax.Array,
+    active: jax.Array,
+    sampling: Sampling,
+    widths: tuple[int, ...],
+    hidden_layers: tuple[int, ...] = (),
+) -> tuple[VerifyOutput, jax.Array]:
+  """`verify` over the narrowest of `widths` that holds every active row's
+  proposal, so that a cycle in which nothing was proposed (prompt lookup
+  without a match, dynamic gamma stopped at once) costs a target step, not
+  a gamma + 1 verify.
+
+  A row proposes its leading drafts with q > 0 (see rejection.py); past them
+  it is rejected, so only p up to its first unproposed position is read.
+  Positions past the pass's width, which no active row reaches, repeat the
+  last law computed. The output law is unchanged.
+
+  Args:
+    draft_tokens, draft_probs: [B, G], [B, G, V], the chain's proposal.
+    active: [B] bool, rows still generating.
+    widths: increasing pass widths ending with G + 1 (`verify_widths`).
+
+  Returns:
+    The VerifyOutput, with probs [B, G+1, V] and hidden [B, G+1, D], and the
+    index of the width that ran, [] int32.
+  """
+  gamma = draft_tokens.shape[1]
+  proposed = (sampling_lib.probs_at(draft_probs, draft_tokens) > 0) & active[
+      :, None]
+  longest = jnp.cumprod(proposed, axis=1).sum(1).max()  # leading drafts
+  index = jnp.searchsorted(jnp.array(widths), longest + 1).astype(jnp.int32)
+
+  def pass_of(width):
+    def run(draft_tokens):
+      verified = verify(target, cache, tokens, lengths,
+                        draft_tokens[:, :width - 1], sampling,
+                        hidden_layers=hidden_layers)
+      pad = lambda x: jnp.pad(x, ((0, 0), (0, gamma + 1 - width), (0, 0)),
+                              mode="edge")
+      return VerifyOutput(pad(verified.probs), verified.cache,
+                          tuple(map(pad, verified.hidden)))
+    return run
+
+  return jax.lax.switch(index, [pass_of(w) for w in widths],
+                        draft_tokens), index

@@ -156,3 +156,26 @@ def test_bad_drafter_settings_are_refused(pair4):
                 config)
   with pytest.raises(ValueError, match="min_n"):
     sj.NgramDrafter(target.vocab_size, max_n=1, min_n=2)
+
+
+@pytest.mark.parametrize("buckets", [1, 2, 3])
+def test_verify_only_what_was_proposed(pair4, buckets):
+  """A cycle in which no row proposed anything runs a one-token target step
+  (width index 0 with 2 or 3 buckets), and the tokens do not change."""
+  target, _ = pair4
+  # No prompt repeats a token, so prompt lookup has no match at first.
+  padded, lengths = sj.pad_prompts([[1, 2, 3, 4], [5, 6, 7], [8, 9]])
+  config = sj.DecodeConfig(gamma=4, max_new_tokens=MAX_NEW,
+                           sampling=sj.Sampling(temperature=0.0),
+                           verify_buckets=buckets)
+  ar = sj.generate_autoregressive(jax.random.key(0), target, padded, lengths,
+                                  config)
+  sd = sj.generate(jax.random.key(0), target, sj.NgramDrafter(16), padded,
+                   lengths, config)
+  np.testing.assert_array_equal(sd.tokens, ar.tokens)
+  stats = sd.stats.summary()
+  widths = sj.verification.verify_widths(4, buckets)
+  assert len(stats["width_cycles"]) == len(widths)
+  assert sum(stats["width_cycles"]) == stats["cycles"]
+  if buckets > 1:
+    assert stats["width_cycles"][0] > 0  # some cycles were target steps

@@ -101,14 +101,16 @@ def test_stats_add_as_counters():
   one = sj.DecodeStats(cycles=np.int32(3), row_cycles=np.array([3]),
                        drafted=np.array([6]), accepted=np.array([6]),
                        accepted_per_position=np.array([3, 3]),
-                       overlap_sum=np.array([6.0]), verified=np.array([6]))
+                       overlap_sum=np.array([6.0]), verified=np.array([6]),
+                       width_cycles=np.array([0, 3]))
   two = sj.DecodeStats(cycles=np.int32(4), row_cycles=np.array([1, 4]),
                        drafted=np.array([2, 8]), accepted=np.array([0, 2]),
                        accepted_per_position=np.array([2, 0]),
                        overlap_sum=np.array([0.5, 2.5]),
-                       verified=np.array([1, 5]))
+                       verified=np.array([1, 5]), width_cycles=np.array([1, 3]))
   merged = sj.DecodeStats.merge([one, two])
   assert int(merged.cycles) == 7 and merged.row_cycles.tolist() == [3, 1, 4]
+  assert merged.width_cycles.tolist() == [1, 6]
   assert merged.acceptance_rate == pytest.approx(8 / 16)
   assert merged.tokens_per_cycle == pytest.approx((8 + 8) / 8)
   assert merged.accepted_per_cycle == pytest.approx(8 / 8)

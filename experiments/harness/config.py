@@ -50,6 +50,10 @@ def base_config() -> ml_collections.ConfigDict:
   # min(1, p/q), left to right) or "block" (block verification, Sun et al.
   # 2024: the same law, at least as many accepted drafts in expectation).
   config.verification = "token"
+  # Verify widths a chain cycle chooses from by its longest proposal: 1
+  # (always gamma + 1), 2 (a plain target step when no row proposed
+  # anything), 3 (and gamma // 2 + 1). See spec_jax DecodeConfig.
+  config.verify_buckets = 2
   # For drafter=model: () drafts a chain of gamma; branching factors per
   # depth, e.g. --config.tree=3,2,1,1, draft a tree of that shape instead
   # (spec_jax.TreeTemplate), verified in one pass; gamma is then unused.
@@ -139,7 +143,8 @@ def decode_config(config: ml_collections.ConfigDict, temperature: float, *,
       gamma=config.gamma if gamma is None else gamma,
       max_new_tokens=config.max_new_tokens,
       sampling=sampling(config, temperature), eos_id=eos_id,
-      resample=RESAMPLERS[config.verification])
+      resample=RESAMPLERS[config.verification],
+      verify_buckets=config.verify_buckets)
 
 
 def chains(config: ml_collections.ConfigDict) -> tuple[int, ...]:
