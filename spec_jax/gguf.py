@@ -121,6 +121,17 @@ def _check_types(reader, path) -> None:
           "llama-quantize (Q8_0 or Q4_K_M, say).")
 
 
+def _rope_scaling(meta: _Metadata, key) -> RopeScaling | None:
+  scaling_type = meta.get(key("rope.scaling.type"), "none")
+  if scaling_type == "linear":
+    return RopeScaling(kind="linear",
+                       factor=float(meta.require(key("rope.scaling.factor"))))
+  if scaling_type != "none":
+    raise ValueError(f"{meta.path}: rope scaling {scaling_type!r} is not "
+                     "supported; only linear is.")
+  return None
+
+
 def config_from_gguf(meta: _Metadata, tensors: set[str],
                      dtype: str = "float32") -> TransformerConfig:
   """The TransformerConfig that the metadata and tensor names describe."""
@@ -140,14 +151,6 @@ def config_from_gguf(meta: _Metadata, tensors: set[str],
     raise ValueError(f"{meta.path}: key and value head sizes differ; not "
                      "supported.")
   num_layers = int(meta.require(key("block_count")))
-  scaling = None
-  scaling_type = meta.get(key("rope.scaling.type"), "none")
-  if scaling_type == "linear":
-    factor = float(meta.require(key("rope.scaling.factor")))
-    scaling = RopeScaling(kind="linear", factor=factor)
-  elif scaling_type != "none":
-    raise ValueError(f"{meta.path}: rope scaling {scaling_type!r} is not "
-                     "supported; only linear is.")
   common = dict(
       vocab_size=int(meta.get(key("vocab_size"),
                               len(meta.require("tokenizer.ggml.tokens")))),
@@ -159,7 +162,7 @@ def config_from_gguf(meta: _Metadata, tensors: set[str],
       norm_eps=float(meta.require(key("attention.layer_norm_rms_epsilon"))),
       position="rope", rope_theta=float(meta.get(key("rope.freq_base"),
                                                  10_000.0)),
-      rope_scaling=scaling, mlp="swiglu", bias=False,
+      rope_scaling=_rope_scaling(meta, key), mlp="swiglu", bias=False,
       qkv_bias="blk.0.attn_q.bias" in tensors,
       tie_embeddings="output.weight" not in tensors)
   if arch == "qwen3":

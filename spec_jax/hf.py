@@ -105,33 +105,30 @@ def _rope(hf: dict, layer_type: str | None = None
       original_max_len=int(params["original_max_position_embeddings"]))
 
 
-def config_from_hf(hf: dict, dtype: str = "float32") -> TransformerConfig:
-  """The TransformerConfig of an HF config.json dict; unsupported features
-  raise ValueError rather than load into a model that computes something
-  else."""
-  model_type = hf.get("model_type")
-  if model_type == "gpt2":
-    activation = hf.get("activation_function", "gelu_new")
-    if activation not in ("gelu_new", "gelu_pytorch_tanh"):
-      raise ValueError(f"GPT-2 activation {activation!r} is not supported; "
-                       "only the tanh GELU ('gelu_new') is.")
-    if (not hf.get("scale_attn_weights", True)
-        or hf.get("scale_attn_by_inverse_layer_idx", False)):
-      raise ValueError("GPT-2 attention scaling other than 1/sqrt(head_dim) "
-                       "is not supported.")
-    if not hf.get("tie_word_embeddings", True):
-      raise ValueError("GPT-2 with untied embeddings is not supported.")
-    return TransformerConfig(
-        vocab_size=hf["vocab_size"], d_model=hf["n_embd"],
-        num_layers=hf["n_layer"], num_heads=hf["n_head"],
-        d_ff=hf.get("n_inner") or 4 * hf["n_embd"],
-        max_len=hf["n_positions"], dtype=dtype,
-        norm_eps=hf.get("layer_norm_epsilon", 1e-5))
+def _gpt2_config(hf: dict, dtype: str) -> TransformerConfig:
+  activation = hf.get("activation_function", "gelu_new")
+  if activation not in ("gelu_new", "gelu_pytorch_tanh"):
+    raise ValueError(f"GPT-2 activation {activation!r} is not supported; "
+                     "only the tanh GELU ('gelu_new') is.")
+  if (not hf.get("scale_attn_weights", True)
+      or hf.get("scale_attn_by_inverse_layer_idx", False)):
+    raise ValueError("GPT-2 attention scaling other than 1/sqrt(head_dim) "
+                     "is not supported.")
+  if not hf.get("tie_word_embeddings", True):
+    raise ValueError("GPT-2 with untied embeddings is not supported.")
+  return TransformerConfig(
+      vocab_size=hf["vocab_size"], d_model=hf["n_embd"],
+      num_layers=hf["n_layer"], num_heads=hf["n_head"],
+      d_ff=hf.get("n_inner") or 4 * hf["n_embd"],
+      max_len=hf["n_positions"], dtype=dtype,
+      norm_eps=hf.get("layer_norm_epsilon", 1e-5))
+
+
+def _check_supported(hf: dict, model_type: str, gemma: bool) -> None:
+  """Raises ValueError on features of a Llama-like config we do not run."""
   if model_type not in FAMILIES:
     raise ValueError(f"model_type {model_type!r} is not supported; spec_jax "
                      f"reads {', '.join(FAMILIES)}.")
-  heads = hf["num_attention_heads"]
-  gemma = model_type in ("gemma2", "gemma3_text")
   activation = hf.get("hidden_activation" if gemma else "hidden_act",
                       "gelu_pytorch_tanh" if gemma else "silu")
   if activation != ("gelu_pytorch_tanh" if gemma else "silu"):
@@ -146,8 +143,44 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> TransformerConfig:
                      "(use_sliding_window) is not supported.")
   if hf.get("use_bidirectional_attention"):
     raise ValueError("bidirectional attention is not supported.")
+
+
+def _gemma_fields(hf: dict, model_type: str) -> dict:
+  """The TransformerConfig switches of Gemma 2 and Gemma 3 text."""
+  every = 6 if model_type == "gemma3_text" else 2
+  layer_types = hf.get("layer_types") or [
+      "full_attention" if (i + 1) % hf.get("sliding_window_pattern", every)
+      == 0 else "sliding_attention" for i in range(hf["num_hidden_layers"])]
+  fields = dict(
+      norm="gemma_rms", mlp="geglu", post_norms=True, embed_scale=True,
+      query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+      sliding_window=hf.get("sliding_window", 4096),
+      layer_types=tuple(_LAYER_TYPES[t] for t in layer_types),
+      attn_softcap=hf.get("attn_logit_softcapping"),
+      final_softcap=hf.get("final_logit_softcapping"))
+  if model_type == "gemma3_text":
+    local_theta, local_scaling = _rope(
+        dict(hf, rope_theta=hf.get("rope_local_base_freq", 10_000.0),
+             rope_scaling=None), "sliding_attention")
+    if local_scaling is not None:
+      raise ValueError("rope scaling on Gemma 3's sliding layers is not "
+                       "supported.")
+    fields.update(rope_local_theta=local_theta)
+  return fields
+
+
+def config_from_hf(hf: dict, dtype: str = "float32") -> TransformerConfig:
+  """The TransformerConfig of an HF config.json dict; unsupported features
+  raise ValueError rather than load into a model that computes something
+  else."""
+  model_type = hf.get("model_type")
+  if model_type == "gpt2":
+    return _gpt2_config(hf, dtype)
+  gemma = model_type in ("gemma2", "gemma3_text")
+  _check_supported(hf, model_type, gemma)
+  heads = hf["num_attention_heads"]
   theta, scaling = _rope(hf, "full_attention" if gemma else None)
-  common = dict(
+  fields = dict(
       vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
       num_layers=hf["num_hidden_layers"], num_heads=heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
@@ -159,28 +192,42 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> TransformerConfig:
       tie_embeddings=hf.get("tie_word_embeddings", gemma),
       qk_norm=model_type in ("qwen3", "gemma3_text"))
   if model_type == "mistral":
-    common.update(sliding_window=hf.get("sliding_window"))
+    fields.update(sliding_window=hf.get("sliding_window"))
   if gemma:
-    every = 6 if model_type == "gemma3_text" else 2
-    layer_types = hf.get("layer_types") or [
-        "full_attention" if (i + 1) % hf.get("sliding_window_pattern", every)
-        == 0 else "sliding_attention" for i in range(hf["num_hidden_layers"])]
-    common.update(
-        norm="gemma_rms", mlp="geglu", post_norms=True, embed_scale=True,
-        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
-        sliding_window=hf.get("sliding_window", 4096),
-        layer_types=tuple(_LAYER_TYPES[t] for t in layer_types),
-        attn_softcap=hf.get("attn_logit_softcapping"),
-        final_softcap=hf.get("final_logit_softcapping"))
-  if model_type == "gemma3_text":
-    local_theta, local_scaling = _rope(
-        dict(hf, rope_theta=hf.get("rope_local_base_freq", 10_000.0),
-             rope_scaling=None), "sliding_attention")
-    if local_scaling is not None:
-      raise ValueError("rope scaling on Gemma 3's sliding layers is not "
-                       "supported.")
-    common.update(rope_local_theta=local_theta)
-  return TransformerConfig(**common)
+    fields.update(_gemma_fields(hf, model_type))
+  return TransformerConfig(**fields)
+
+
+def _rope_to_hf(config: TransformerConfig) -> dict:
+  """HF rope_parameters of the (global) rotary embedding."""
+  scaling = config.rope_scaling
+  if scaling is None:
+    return {"rope_type": "default", "rope_theta": config.rope_theta}
+  if scaling.kind == "linear":
+    return {"rope_type": "linear", "rope_theta": config.rope_theta,
+            "factor": scaling.factor}
+  return {"rope_type": "llama3", "rope_theta": config.rope_theta,
+          "factor": scaling.factor,
+          "low_freq_factor": scaling.low_freq_factor,
+          "high_freq_factor": scaling.high_freq_factor,
+          "original_max_position_embeddings": scaling.original_max_len}
+
+
+def _family_to_hf(config: TransformerConfig, kind: str) -> dict:
+  """The config.json fields only Mistral and Gemma have."""
+  if kind == "mistral":
+    return {"sliding_window": config.sliding_window}
+  if kind not in ("gemma2", "gemma3_text"):
+    return {}
+  names = {ours: theirs for theirs, ours in _LAYER_TYPES.items()}
+  return {"hidden_activation": "gelu_pytorch_tanh",
+          # An int where it is one: transformers' config type-checks it.
+          "query_pre_attn_scalar": _int_if_whole(
+              config.query_pre_attn_scalar or config.head_dim),
+          "sliding_window": config.sliding_window,
+          "layer_types": [names[t] for t in config.layer_types],
+          "attn_logit_softcapping": config.attn_softcap,
+          "final_logit_softcapping": config.final_softcap}
 
 
 def config_to_hf(config: TransformerConfig) -> dict:
@@ -196,33 +243,11 @@ def config_to_hf(config: TransformerConfig) -> dict:
         "activation_function": "gelu_new", "tie_word_embeddings": True,
         "dtype": config.dtype,
     }
-  rope = {"rope_type": "default", "rope_theta": config.rope_theta}
-  scaling = config.rope_scaling
-  if scaling is not None and scaling.kind == "linear":
-    rope = {"rope_type": "linear", "rope_theta": config.rope_theta,
-            "factor": scaling.factor}
-  elif scaling is not None:
-    rope = {"rope_type": "llama3", "rope_theta": config.rope_theta,
-            "factor": scaling.factor,
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_len}
+  rope = _rope_to_hf(config)
   architecture = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3",
                   "mistral": "Mistral", "gemma2": "Gemma2",
                   "gemma3_text": "Gemma3"}[kind] + "ForCausalLM"
-  extra = {}
-  if kind == "mistral":
-    extra = {"sliding_window": config.sliding_window}
-  if kind in ("gemma2", "gemma3_text"):
-    names = {ours: theirs for theirs, ours in _LAYER_TYPES.items()}
-    extra = {"hidden_activation": "gelu_pytorch_tanh",
-             # An int where it is one: transformers' config type-checks it.
-             "query_pre_attn_scalar": _int_if_whole(
-                 config.query_pre_attn_scalar or config.head_dim),
-             "sliding_window": config.sliding_window,
-             "layer_types": [names[t] for t in config.layer_types],
-             "attn_logit_softcapping": config.attn_softcap,
-             "final_logit_softcapping": config.final_softcap}
+  extra = _family_to_hf(config, kind)
   if kind == "gemma3_text":
     local = {"rope_type": "default",
              "rope_theta": config.rope_local_theta or config.rope_theta}

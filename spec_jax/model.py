@@ -374,23 +374,11 @@ class Block(nn.Module):
     of each token); visible [B, T, S] bool, the key slots each token attends
     to; keys, values [B, K, S, Dh]."""
     cfg = self.config
-    batch, length, _ = x.shape
-    heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    group = heads // kv_heads  # Query heads per key/value head.
     h = _norm(cfg, "ln_attn")(x)
     # One projection for q, k and v: one matmul per step.
-    qkv = Linear((heads + 2 * kv_heads) * head_dim, cfg.dtype, cfg.qkv_bias,
-                 name="qkv")(h)
-    # Query head h reads key/value head h // group, as HF's repeat_kv does.
-    if cfg.qkv_head_major:
-      qkv = qkv.reshape(batch, length, kv_heads, group + 2, head_dim)
-      q, k, v = qkv[..., :group, :], qkv[..., group, :], qkv[..., group + 1, :]
-    else:
-      q, k, v = jnp.split(
-          qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
-      q = q.reshape(batch, length, kv_heads, group, head_dim)
-      k = k.reshape(batch, length, kv_heads, head_dim)
-      v = v.reshape(batch, length, kv_heads, head_dim)
+    qkv = Linear((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
+                 cfg.dtype, cfg.qkv_bias, name="qkv")(h)
+    q, k, v = _split_qkv(cfg, qkv)
     if cfg.qk_norm:  # Per head, before the rotation.
       q, k = _norm(cfg, "q_norm")(q), _norm(cfg, "k_norm")(k)
     if cfg.position == "rope":
@@ -399,15 +387,8 @@ class Block(nn.Module):
                                                             inv_freq)
     keys = _write(keys, jnp.swapaxes(k, 1, 2), slots)
     values = _write(values, jnp.swapaxes(v, 1, 2), slots)
-
-    scale = math.sqrt(cfg.query_pre_attn_scalar or head_dim)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys) / scale
-    scores = _softcap(scores.astype(jnp.float32), cfg.attn_softcap)
-    scores = jnp.where(visible[:, None, None], scores, _MASKED)
-    weights = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
-    attended = jnp.einsum("bkgts,bksd->btkgd", weights, values)
-    attended = attended.reshape(batch, length, heads * head_dim)
-    h = Linear(cfg.d_model, cfg.dtype, cfg.bias, name="attn_out")(attended)
+    h = Linear(cfg.d_model, cfg.dtype, cfg.bias, name="attn_out")(
+        _attend(cfg, q, keys, values, visible))
     if cfg.post_norms:
       h = _norm(cfg, "post_attn")(h)
     x = x + h
@@ -425,6 +406,37 @@ class Block(nn.Module):
     if cfg.post_norms:
       h = _norm(cfg, "post_mlp")(h)
     return x + h, keys, values
+
+
+def _split_qkv(cfg: TransformerConfig, qkv: jax.Array):
+  """q [B, T, K, G, Dh], k and v [B, T, K, Dh] from the fused projection.
+
+  Query head h reads key/value head h // G, as HF's repeat_kv does.
+  """
+  batch, length, _ = qkv.shape
+  heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  group = heads // kv_heads  # Query heads per key/value head.
+  if cfg.qkv_head_major:
+    qkv = qkv.reshape(batch, length, kv_heads, group + 2, head_dim)
+    return qkv[..., :group, :], qkv[..., group, :], qkv[..., group + 1, :]
+  q, k, v = jnp.split(
+      qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
+  return (q.reshape(batch, length, kv_heads, group, head_dim),
+          k.reshape(batch, length, kv_heads, head_dim),
+          v.reshape(batch, length, kv_heads, head_dim))
+
+
+def _attend(cfg: TransformerConfig, q, keys, values, visible) -> jax.Array:
+  """[B, T, H * Dh]: q [B, T, K, G, Dh] attending to the visible [B, T, S]
+  slots of keys, values [B, K, S, Dh]."""
+  batch, length = q.shape[:2]
+  scale = math.sqrt(cfg.query_pre_attn_scalar or cfg.head_dim)
+  scores = jnp.einsum("btkgd,bksd->bkgts", q, keys) / scale
+  scores = _softcap(scores.astype(jnp.float32), cfg.attn_softcap)
+  scores = jnp.where(visible[:, None, None], scores, _MASKED)
+  weights = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
+  attended = jnp.einsum("bkgts,bksd->btkgd", weights, values)
+  return attended.reshape(batch, length, cfg.num_heads * cfg.head_dim)
 
 
 def ancestor_mask(parents: jax.Array) -> jax.Array:
@@ -485,6 +497,21 @@ def within_window(positions: jax.Array, slots: jax.Array, num_slots: int,
   return key_position[:, None, :] > positions[:, :, None] - window
 
 
+def _masks(cfg: TransformerConfig, positions: jax.Array, num_slots: int,
+           parents: jax.Array | None):
+  """(slots [B, T] the new tokens are written at, the [B, T, S] slots each
+  token sees in a full-attention layer, and in a sliding one: None when no
+  layer slides). A chain is written at its positions, a tree's nodes one
+  after another from its first token's slot."""
+  slots = (positions if parents is None
+           else positions[:, :1] + jnp.arange(positions.shape[1]))
+  visible = visible_slots(slots, num_slots, parents)
+  if not any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
+    return slots, visible, None
+  return slots, visible, visible & within_window(positions, slots, num_slots,
+                                                 cfg.sliding_window)
+
+
 class Transformer(nn.Module):
   """Decoder: embeddings, `num_layers` blocks, final norm, output projection."""
 
@@ -525,12 +552,8 @@ class Transformer(nn.Module):
     if positions is None:
       positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])
     positions = positions.astype(jnp.int32)
-    slots = (positions if parents is None
-             else positions[:, :1] + jnp.arange(tokens.shape[1]))
-    visible = visible_slots(slots, cache.keys[0].shape[2], parents)
-    if any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
-      local = visible & within_window(positions, slots, visible.shape[-1],
-                                      cfg.sliding_window)
+    slots, visible, local = _masks(cfg, positions, cache.keys[0].shape[2],
+                                   parents)
     embed = nn.Embed(
         cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.dtype,
         embedding_init=nn.initializers.normal(0.02), name="embed",
