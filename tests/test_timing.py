@@ -7,7 +7,7 @@ import pytest
 
 import spec_jax as sj
 from conftest import tiny_pair
-from experiments.harness import timing as benchmark
+from experiments.harness import timing
 from spec_jax.decoding import DecodeConfig
 
 
@@ -16,7 +16,7 @@ def test_round_timer_slope_removes_the_fixed_cost():
   # fixed cost, and a call is timed whole.
   step = lambda n: time.sleep(0.02 + 0.002 * int(n))
   call = lambda: time.sleep(0.01)
-  timer = benchmark.RoundTimer({"step": step}, {"call": call})
+  timer = timing.RoundTimer({"step": step}, {"call": call})
   assert timer.longs["step"] >= 40  # lengthened to >= 100 ms
   for _ in range(3):
     timer.time_round()
@@ -28,7 +28,7 @@ def test_round_timer_slope_removes_the_fixed_cost():
 def test_round_timer_keeps_the_median_not_the_mean():
   # The first call is the warm-up; then one slow run of three.
   sleeps = iter([0.0, 0.01, 0.3, 0.01])
-  timer = benchmark.RoundTimer({}, {"call": lambda: time.sleep(next(sleeps))})
+  timer = timing.RoundTimer({}, {"call": lambda: time.sleep(next(sleeps))})
   for _ in range(3):
     timer.time_round()
   assert timer.seconds()["call"] < 0.05  # the mean would be 0.107
@@ -36,7 +36,7 @@ def test_round_timer_keeps_the_median_not_the_mean():
 
 def test_context_cache_holds_the_context_keys():
   target, _ = tiny_pair()
-  tokens, lengths, full, cache = benchmark._context(target, 2, 40)
+  tokens, lengths, full, cache = timing._context(target, 2, 40)
   assert tokens.shape == (2, 40) and (full == 40).all()
   assert (cache.lengths == lengths - 1).all()
   # Every slot holds keys: attention then costs what it does mid-decode.
@@ -47,9 +47,9 @@ def test_context_cache_holds_the_context_keys():
 def test_cycle_and_target_timers_give_positive_times():
   target, draft = tiny_pair()
   config = DecodeConfig(gamma=3, max_new_tokens=8)
-  cycle = benchmark.CycleTimer(target, sj.ModelDrafter(draft), 1, 8, 24,
+  cycle = timing.CycleTimer(target, sj.ModelDrafter(draft), 1, 8, 24,
                                config, cycles=4)
-  target_timer = benchmark.TargetTimer(target, 1, 8, 24, config.sampling)
+  target_timer = timing.TargetTimer(target, 1, 8, 24, config.sampling)
   for _ in range(3):
     cycle.time_round()
     target_timer.time_round()

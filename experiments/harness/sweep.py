@@ -11,7 +11,7 @@ and sets the measurements beside what they predict:
     whole. These two agree when the loops cost nothing beyond their parts, so
     their ratio is the loops' efficiency. The prediction from the cycle's
     isolated parts (gamma draft steps + a verify) is recorded too: on a CPU a
-    cycle costs more than its parts (see benchmark.py).
+    cycle costs more than its parts (see timing.py).
 
 AR decoding does not depend on gamma, so the AR time and the target step are
 pooled over each temperature's rows: the median of every row's AR runs (each
