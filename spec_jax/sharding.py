@@ -152,6 +152,24 @@ def cache_sharding(config: TransformerConfig, mesh: Mesh,
                  lengths=NamedSharding(mesh, spec(LENGTHS_AXES)))
 
 
+def check_model_axis(config: TransformerConfig, mesh: Mesh,
+                     replicate: bool = False, name: str = "model") -> None:
+  """Raises MeshError for MLP and vocabulary sizes the model axis does not
+  divide."""
+  shards = mesh.shape[MODEL]
+  if replicate or shards == 1:
+    return
+  for field in ("d_ff", "vocab_size"):
+    size = getattr(config, field)
+    if size % shards:
+      raise MeshError(
+          f"the {name}'s {field}={size} is not divisible by the mesh model "
+          f"axis ({shards}); choose --config.mesh.model among the divisors "
+          f"of {size}" + (", or replicate the draft with "
+                          "--config.mesh.replicate_draft=True"
+                          if name == "draft" else "") + ".")
+
+
 def plan_config(config: TransformerConfig, mesh: Mesh, replicate: bool = False,
                 name: str = "model") -> TransformerConfig:
   """The config of `config`'s model laid out for this mesh's model axis.
@@ -163,24 +181,16 @@ def plan_config(config: TransformerConfig, mesh: Mesh, replicate: bool = False,
   shards = mesh.shape[MODEL]
   if replicate or shards == 1:
     return config
-  for field in ("d_ff", "vocab_size"):
-    size = getattr(config, field)
-    if size % shards:
-      raise MeshError(
-          f"the {name}'s {field}={size} is not divisible by the mesh model "
-          f"axis ({shards}); choose --config.mesh.model among the divisors "
-          f"of {size}" + (", or replicate the draft with "
-                          "--config.mesh.replicate_draft=True"
-                          if name == "draft" else "") + ".")
+  check_model_axis(config, mesh, replicate, name)
   # Key/value heads are what the cache and the qkv rows are split by; each
   # brings its group of query heads along.
   group = config.num_heads // config.num_kv_heads
   num_kv_heads = -(-config.num_kv_heads // shards) * shards
   if num_kv_heads != config.num_kv_heads:
     _log.warning("%s: %d key/value heads padded with zero heads to %d, a "
-                    "multiple of the mesh model axis (%d); the outputs are "
-                    "unchanged.", name, config.num_kv_heads, num_kv_heads,
-                    shards)
+                 "multiple of the mesh model axis (%d); the outputs are "
+                 "unchanged.", name, config.num_kv_heads, num_kv_heads,
+                 shards)
   return dataclasses.replace(config, num_heads=num_kv_heads * group,
                              num_kv_heads=num_kv_heads,
                              head_dim=config.head_dim, qkv_head_major=True)
@@ -263,7 +273,7 @@ def restore_targets(config: TransformerConfig, mesh: Mesh,
 
   Raises MeshError, before anything is read, for a mesh the model cannot use.
   """
-  plan_config(config, mesh, replicate, name)
+  check_model_axis(config, mesh, replicate, name)
   stored, shardings = _stored_shardings(config, mesh, replicate)
   return jax.tree.map(
       lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, config.dtype,
