@@ -25,8 +25,8 @@ def main(argv):
   config_lib.check(config)  # bad gammas fail before any loading
   records.check_writable(_WORKDIR.value)
   loaded = loading.load_models(config)
-  prompts = loading.load_prompts(config, loaded.target.tokenizer)
-  print(f"{loaded.describe()}, {len(prompts)} prompts", flush=True)
+  prompts = loading.load_prompt_set(config, loaded)
+  print(f"{loaded.describe()}, {len(prompts.texts)} prompts", flush=True)
   result = sweep.gamma_sweep(config, loaded, prompts)
   print(sweep.format_table(result["rows"]))
   for name in ("best_gamma_measured", "best_gamma_predicted"):

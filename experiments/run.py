@@ -52,14 +52,17 @@ def main(argv):
   sharding.check_batch(config.batch_size, mesh)
   start = time.perf_counter()
   loaded = loading.load_models(config, mesh)
-  prompts = loading.load_prompt_set(config, loaded)
   load_s = time.perf_counter() - start
+  # With chat questions of several turns, this decodes the earlier replies.
+  prompts = loading.load_prompt_set(config, loaded)
+  prompts_s = time.perf_counter() - start - load_s
   param_bytes, param_bytes_per_device = sharding.param_bytes(
       loaded.target.model.params)
   if lead:
     print(f"{loaded.describe()}, {len(prompts.texts)} prompts, mesh data="
           f"{mesh.shape['data']} x model={mesh.shape['model']} over "
-          f"{jax.process_count()} process(es), loaded in {load_s:.1f} s",
+          f"{jax.process_count()} process(es), models loaded in {load_s:.1f}"
+          f" s, prompts in {prompts_s:.1f} s",
           flush=True)
   runs = compare.compare(config, loaded, prompts, mesh)
   if not lead:
@@ -84,6 +87,7 @@ def main(argv):
       "target_param_bytes": param_bytes,
       "target_param_bytes_per_device": param_bytes_per_device,
       "load_s": load_s,
+      "prompts_s": prompts_s,
       "runs": runs,
   })
   print(f"\nwrote {path}")

@@ -199,6 +199,8 @@ def _check_tree(key, target, drafter, proposal, state, config) -> _Checked:
         verified.probs, greedy=sampling.greedy,
         depth=drafter.cycle_shape(config.gamma)[1])
   # Contexts on the accepted path: the root (0) and node path[i] (i + 1).
+  # A tree is verified whole: counted as the widest pass.
+  width = len(verify_widths(config.gamma, config.verify_buckets)) - 1
   context = jnp.arange(proposal.probs.shape[1])
   on_path = (context == 0) | jnp.any(path[..., None] + 1 == context,
                                      axis=1)  # [B, N+1]
@@ -206,7 +208,8 @@ def _check_tree(key, target, drafter, proposal, state, config) -> _Checked:
       active=~state.done, drafted=proposal.parents != tree.UNUSED,
       verified=on_path & (proposal.probs.sum(-1) > 0),
       num_accepted=num_accepted,
-      overlap=rejection.overlap(proposal.probs, verified.probs))
+      overlap=rejection.overlap(proposal.probs, verified.probs)
+  ).count_width(width)
   # Node j sits at slot lengths + j in both caches (the last token at
   # lengths - 1); the path moves to lengths, lengths + 1, ...
   with jax.named_scope("compact"):
@@ -252,6 +255,7 @@ def _initial_state(key, target, drafter, prompts, prompt_lengths,
   """Both caches prefilled, in a buffer whose scratch tail holds a cycle's
   whole verify pass: N + 1 slots past any row's last output."""
   num_nodes, depth = drafter.cycle_shape(config.gamma)
+  num_widths = len(verify_widths(config.gamma, config.verify_buckets))
   tokens = _init_tokens(prompts, config, scratch=num_nodes + 1)
   max_len = tokens.shape[1]
   return DecodeState(
@@ -261,9 +265,7 @@ def _initial_state(key, target, drafter, prompts, prompt_lengths,
       target_cache=target.prefill(prompts, prompt_lengths, max_len),
       draft_state=drafter.prefill(prompts, prompt_lengths, max_len),
       key=key,
-      stats=DecodeStats.zeros(prompts.shape[0], depth,
-                              len(verify_widths(config.gamma,
-                                                config.verify_buckets))),
+      stats=DecodeStats.zeros(prompts.shape[0], depth, num_widths),
   )
 
 
@@ -372,8 +374,9 @@ def generate(
     key: PRNG key; the same key and inputs give the same tokens.
     target: the target model.
     drafter: the source of drafts: `ModelDrafter(draft_model)`,
-      `LayerSkipDrafter(target, num_layers)`, `NgramDrafter(vocab_size)`, or
-      any class that meets the contract of drafting.py.
+      `LayerSkipDrafter(target, num_layers)`, `NgramDrafter(vocab_size)`,
+      `TreeDrafter(draft_model, branching)`, or any class that meets the
+      contract of drafting.py.
     prompts: [B, P] int32 right-padded prompts (see `pad_prompts`).
     prompt_lengths: [B] int32 true prompt lengths, >= 1.
     config: gamma, max_new_tokens, sampling and EOS.
@@ -402,7 +405,8 @@ def generate_autoregressive(
                                      dataclasses.replace(
                                          config, gamma=1,
                                          resample=rejection.resample,
-                                         resample_tree=tree.resample_tree))
+                                         resample_tree=tree.resample_tree,
+                                         verify_buckets=1))
 
 
 def pad_prompts(prompts, min_width: int = 1) -> tuple[np.ndarray, np.ndarray]:

@@ -1,7 +1,7 @@
 """The drafter contract, and autoregressive drafting from a draft model.
 
 The decode loop talks to a drafter through this contract, so a new drafter is
-a new class (drafters.py has three) and the loop does not change:
+a new class (drafters.py has four) and the loop does not change:
 
   validate(target, max_len)   raises ValueError, before compiling, if it
                               cannot draft for this target and cache size;

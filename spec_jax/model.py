@@ -4,7 +4,8 @@ The cache is passed in and returned, never kept in a mutable collection, so one
 call can write any number of tokens at each row's own positions:
 
   * prefill writes a whole right-padded prompt batch at positions 0..P-1;
-  * `verify` writes gamma+1 tokens per row in one pass;
+  * `verify` writes up to gamma+1 tokens per row in one pass (N+1 for a
+    tree of N drafts, one after another);
   * rollback after a rejection only moves `KVCache.lengths`.
 
 Why stale slots never leak: a query at position t attends to key slots j <= t

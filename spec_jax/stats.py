@@ -31,15 +31,16 @@ class DecodeStats:
   row_cycles: jax.Array  # [B] cycles each row took part in.
   drafted: jax.Array  # [B] draft tokens proposed, verified or not.
   accepted: jax.Array  # [B] draft tokens accepted.
-  # [G] row-cycles that accepted draft i; for a tree [D], row-cycles whose
-  # accepted path reached depth i + 1.
+  # [B, G] cycles in which the row accepted draft i; for a tree [B, D],
+  # cycles whose accepted path reached depth i + 1.
   accepted_per_position: jax.Array
   overlap_sum: jax.Array  # [B] sum over verified positions of sum_x min(p, q).
   # [B] verified positions: accepted + the rejected one (for a tree, the
   # contexts with children on the accepted path).
   verified: jax.Array
   # [K] loop iterations whose verify pass had the k-th of the widths the
-  # decode chose from (`verification.verify_widths`; one for a tree).
+  # decode chose from (`verification.verify_widths`; a tree's whole pass
+  # counts as the widest).
   width_cycles: jax.Array
 
   @classmethod
@@ -50,7 +51,8 @@ class DecodeStats:
     row = jnp.zeros((batch_size,), jnp.int32)
     return cls(
         cycles=jnp.zeros((), jnp.int32), row_cycles=row, drafted=row,
-        accepted=row, accepted_per_position=jnp.zeros((gamma,), jnp.int32),
+        accepted=row,
+        accepted_per_position=jnp.zeros((batch_size, gamma), jnp.int32),
         overlap_sum=jnp.zeros((batch_size,), jnp.float32), verified=row,
         width_cycles=jnp.zeros((num_widths,), jnp.int32))
 
@@ -88,7 +90,7 @@ class DecodeStats:
       num_accepted: [B] accepted drafts, the accepted path's length.
       overlap: [B, M] sum_x min(p, q) at the same M positions or contexts.
     """
-    depth = self.accepted_per_position.shape[0]
+    depth = self.accepted_per_position.shape[1]
     accepted = jnp.where(active, num_accepted, 0)
     drafted = active[:, None] & drafted
     verified = active[:, None] & verified
@@ -97,8 +99,8 @@ class DecodeStats:
         row_cycles=self.row_cycles + active,
         drafted=self.drafted + drafted.sum(-1),
         accepted=self.accepted + accepted,
-        accepted_per_position=self.accepted_per_position + jnp.sum(
-            jnp.arange(depth) < accepted[:, None], axis=0),
+        accepted_per_position=self.accepted_per_position + (
+            jnp.arange(depth) < accepted[:, None]),
         overlap_sum=self.overlap_sum + jnp.where(verified, overlap, 0.0).sum(-1),
         verified=self.verified + verified.sum(-1))
 
@@ -111,11 +113,20 @@ class DecodeStats:
         row_cycles=rows(self.row_cycles, other.row_cycles),
         drafted=rows(self.drafted, other.drafted),
         accepted=rows(self.accepted, other.accepted),
-        accepted_per_position=total(self.accepted_per_position,
-                                    other.accepted_per_position),
+        accepted_per_position=rows(self.accepted_per_position,
+                                   other.accepted_per_position),
         overlap_sum=rows(self.overlap_sum, other.overlap_sum),
         verified=rows(self.verified, other.verified),
         width_cycles=total(self.width_cycles, other.width_cycles))
+
+  def select_rows(self, keep) -> "DecodeStats":
+    """These stats for the rows `keep` ([B] bool or indices) only, e.g. to
+    leave out rows that only pad a batch; loop counters are kept."""
+    keep = np.asarray(keep)
+    return self.replace(**{
+        name: np.asarray(getattr(self, name))[keep] for name in (
+            "row_cycles", "drafted", "accepted", "accepted_per_position",
+            "overlap_sum", "verified")})
 
   @classmethod
   def merge(cls, stats: list["DecodeStats"]) -> "DecodeStats":
@@ -160,14 +171,14 @@ class DecodeStats:
   def position_acceptance(self) -> np.ndarray:
     """[G] fraction of row-cycles that accepted draft i (1-based i = index
     + 1): P(the first i drafts are all accepted)."""
-    return (np.asarray(self.accepted_per_position)
+    return (np.asarray(self.accepted_per_position).sum(0)
             / max(int(self.row_cycles.sum()), 1))
 
   @property
   def conditional_position_acceptance(self) -> np.ndarray:
     """[G] P(draft i accepted | drafts before it accepted); NaN where no
     cycle reached draft i."""
-    accepted = np.asarray(self.accepted_per_position, np.float64)
+    accepted = np.asarray(self.accepted_per_position, np.float64).sum(0)
     reached = np.concatenate([[float(self.row_cycles.sum())], accepted[:-1]])
     return np.divide(accepted, reached, out=np.full_like(accepted, np.nan),
                      where=reached > 0)
@@ -187,7 +198,9 @@ class DecodeStats:
         "nodes_per_cycle": self.nodes_per_cycle,
         "width_cycles": [int(x) for x in self.width_cycles],
         "mean_overlap": self.mean_overlap,
-        "accepted_per_position": [int(x) for x in self.accepted_per_position],
+        # Summed over rows: row-cycles that accepted draft i.
+        "accepted_per_position": [
+            int(x) for x in np.asarray(self.accepted_per_position).sum(0)],
         "position_acceptance": self.position_acceptance.tolist(),
         # None where no cycle reached the position (JSON has no NaN).
         "conditional_position_acceptance": [

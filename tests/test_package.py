@@ -100,12 +100,12 @@ def test_stats_add_as_counters():
   runs' ratios."""
   one = sj.DecodeStats(cycles=np.int32(3), row_cycles=np.array([3]),
                        drafted=np.array([6]), accepted=np.array([6]),
-                       accepted_per_position=np.array([3, 3]),
+                       accepted_per_position=np.array([[3, 3]]),
                        overlap_sum=np.array([6.0]), verified=np.array([6]),
                        width_cycles=np.array([0, 3]))
   two = sj.DecodeStats(cycles=np.int32(4), row_cycles=np.array([1, 4]),
                        drafted=np.array([2, 8]), accepted=np.array([0, 2]),
-                       accepted_per_position=np.array([2, 0]),
+                       accepted_per_position=np.array([[0, 0], [2, 0]]),
                        overlap_sum=np.array([0.5, 2.5]),
                        verified=np.array([1, 5]), width_cycles=np.array([1, 3]))
   merged = sj.DecodeStats.merge([one, two])
@@ -119,3 +119,16 @@ def test_stats_add_as_counters():
   np.testing.assert_allclose(merged.conditional_position_acceptance,
                              [5 / 8, 3 / 5])
   assert merged.summary()["tokens_per_cycle"] == merged.tokens_per_cycle
+
+
+def test_stats_leave_out_padding_rows():
+  stats = sj.DecodeStats(cycles=np.int32(2), row_cycles=np.array([2, 2]),
+                         drafted=np.array([4, 4]), accepted=np.array([1, 4]),
+                         accepted_per_position=np.array([[1, 0], [2, 2]]),
+                         overlap_sum=np.array([1.0, 4.0]),
+                         verified=np.array([3, 4]),
+                         width_cycles=np.array([0, 2]))
+  real = stats.select_rows([0])
+  assert real.accepted.tolist() == [1] and int(real.cycles) == 2
+  assert real.tokens_per_cycle == pytest.approx((1 + 2) / 2)
+  assert real.summary()["accepted_per_position"] == [1, 0]

@@ -8,11 +8,13 @@ import os
 
 from absl import flags
 
-_COMPILATION_CACHE = flags.DEFINE_string(
-    "compilation_cache", os.path.expanduser("~/.cache/spec_jax/xla"),
-    "Directory of JAX's persistent compilation cache, so that a second run "
-    "of a command loads its compiled programs instead of compiling them "
-    "again; '' turns it off.")
+# Defined once per process, even when a notebook reloads this module.
+if "compilation_cache" not in flags.FLAGS:
+  flags.DEFINE_string(
+      "compilation_cache", os.path.expanduser("~/.cache/spec_jax/xla"),
+      "Directory of JAX's persistent compilation cache, so that a second run "
+      "of a command loads its compiled programs instead of compiling them "
+      "again; '' turns it off.")
 
 
 def setup() -> None:
@@ -23,7 +25,8 @@ def setup() -> None:
   import jax  # pylint: disable=import-outside-toplevel
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("experiments").setLevel(logging.INFO)
-  if _COMPILATION_CACHE.value:
-    jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE.value)
+  cache_dir = flags.FLAGS.compilation_cache
+  if cache_dir:
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
     # Cache every program that took a second or more to compile.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

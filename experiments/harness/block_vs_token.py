@@ -81,7 +81,7 @@ def same_drafts(loaded: loading.Loaded, contexts, gamma: int, sampling,
 
 
 def block_vs_token(config: ml_collections.ConfigDict, loaded: loading.Loaded,
-                   prompts: list[str]) -> list[dict]:
+                   prompts) -> list[dict]:
   """One row per (temperature, gamma): the paired comparison on the same
   drafts, and both rules in the full loop."""
   prompt_ids = compare.encode(loading.Prompts.of(prompts),

@@ -22,18 +22,24 @@ def encode(prompts: loading.Prompts, tokenizer) -> list[list[int]]:
           or [0] for p in prompts.texts]
 
 
+def batch_rows(groups: list[list[int]], batch_size: int) -> list[list[int]]:
+  """The prompt indices each batch holds: batches are drawn from one group of
+  prompt indices (a category) at a time, so that a batch's time is its
+  category's. The rows that only pad a batch are left out."""
+  return [group[start:start + batch_size] for group in groups
+          for start in range(0, len(group), batch_size)]
+
+
 def batches(prompt_ids: list[list[int]], batch_size: int, width: int,
             groups: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
-  """(prompts [B, width], lengths [B]) per batch, each batch drawn from one
-  group of prompt indices (a category), so that its time is the category's.
-  Every batch is padded to one width and is full (the last of a group
-  repeats its last prompt), so one compiled program serves all."""
+  """(prompts [B, width], lengths [B]) per batch of `batch_rows`. Every batch
+  is padded to one width and is full (the last of a group repeats its last
+  prompt), so one compiled program serves all."""
   result = []
-  for group in groups:
-    for start in range(0, len(group), batch_size):
-      batch = [prompt_ids[i] for i in group[start:start + batch_size]]
-      batch = batch + [batch[-1]] * (batch_size - len(batch))
-      result.append(pad_prompts(batch, min_width=width))
+  for indices in batch_rows(groups, batch_size):
+    batch = [prompt_ids[i] for i in indices]
+    batch = batch + [batch[-1]] * (batch_size - len(batch))
+    result.append(pad_prompts(batch, min_width=width))
   return result
 
 
@@ -49,35 +55,34 @@ def decoders(loaded: loading.Loaded, decode_config: DecodeConfig, key,
   }
 
 
-def rows(results: list[DecodeResult], batch_size: int,
-         groups: list[list[int]]) -> list[list[int]]:
-  """Each prompt's emitted tokens, in prompt order."""
-  emitted = [[tokens[:n].tolist() for tokens, n in zip(
-      np.asarray(r.tokens), np.asarray(r.num_tokens))] for r in results]
-  out, batch = {}, 0
-  for group in groups:
-    for start in range(0, len(group), batch_size):
-      for index, row in zip(group[start:start + batch_size], emitted[batch]):
-        out[index] = row
-      batch += 1
-  return [out[i] for i in sorted(out)]
+def rows(results: list[DecodeResult], batches_rows) -> dict[int, list[int]]:
+  """{prompt index: its emitted tokens}, padding rows left out."""
+  out = {}
+  for result, indices in zip(results, batches_rows):
+    for index, tokens, n in zip(indices, np.asarray(result.tokens),
+                                np.asarray(result.num_tokens)):
+      out[index] = tokens[:n].tolist()
+  return out
 
 
-def _totals(ar_rows, sd_rows, ar_seconds, sd_seconds, sd_stats,
-            batch_size: int) -> dict:
-  """AR and SD totals over some prompts and the batches that ran them."""
-  ar_tokens, sd_tokens = sum(map(len, ar_rows)), sum(map(len, sd_rows))
+def _totals(batches_rows, ar_rows: dict, sd_rows: dict, ar_seconds: float,
+            sd_seconds: float, sd_results) -> dict:
+  """AR and SD totals over some batches (their real rows only)."""
+  indices = [i for batch in batches_rows for i in batch]
+  ar_tokens = sum(len(ar_rows[i]) for i in indices)
+  sd_tokens = sum(len(sd_rows[i]) for i in indices)
   # The AR loop runs until a batch's longest row ends.
-  ar_steps = sum(max(map(len, ar_rows[i:i + batch_size]))
-                 for i in range(0, len(ar_rows), batch_size))
+  ar_steps = sum(max(len(ar_rows[i]) for i in batch) for batch in batches_rows)
+  stats = DecodeStats.merge([result.stats.select_rows(np.arange(len(batch)))
+                             for result, batch in zip(sd_results,
+                                                      batches_rows)])
   return {
       "ar": {"tokens_per_s": ar_tokens / ar_seconds, "new_tokens": ar_tokens,
              "wall_s": ar_seconds, "steps": ar_steps},
       # Counts and ratios of spec_jax.stats; "cycles" counts loop
       # iterations, "row_cycles" the cycles of each row, summed.
       "sd": {"tokens_per_s": sd_tokens / sd_seconds, "new_tokens": sd_tokens,
-             "wall_s": sd_seconds,
-             **DecodeStats.merge(sd_stats).summary()},
+             "wall_s": sd_seconds, **stats.summary()},
       "speedup": (sd_tokens / sd_seconds) / (ar_tokens / ar_seconds),
   }
 
@@ -86,33 +91,34 @@ def run_record(decode_config: DecodeConfig, batch_size: int,
                prompts: loading.Prompts, groups: list[list[int]],
                timed: dict) -> dict:
   """One RUN of the results file, from `timing.interleave`'s output; with
-  categories, the same totals per category too."""
+  categories, the same totals per category too. A category's seconds are the
+  sums of its batches' median times, so with timing_repeats > 1 they need not
+  add up to the run's (the median of whole repeats)."""
   (ar_results, ar_seconds, ar_batches) = timed["ar"]
   (sd_results, sd_seconds, sd_batches) = timed["sd"]
-  ar_rows = rows(ar_results, batch_size, groups)
-  sd_rows = rows(sd_results, batch_size, groups)
+  per_batch = batch_rows(groups, batch_size)
+  ar_rows = rows(ar_results, per_batch)
+  sd_rows = rows(sd_results, per_batch)
   record = {
       "temperature": decode_config.sampling.temperature,
       "gamma": decode_config.gamma,
       "batch_size": batch_size,
       "num_batches": len(sd_results),
-      **_totals(ar_rows, sd_rows, ar_seconds, sd_seconds,
-                [r.stats for r in sd_results], batch_size),
+      **_totals(per_batch, ar_rows, sd_rows, ar_seconds, sd_seconds,
+                sd_results),
   }
   if prompts.categories is not None:
     record["by_category"], first = {}, 0
     for group in groups:
-      count = -(-len(group) // batch_size)
-      span = slice(first, first + count)
+      span = slice(first, first + -(-len(group) // batch_size))
       record["by_category"][prompts.categories[group[0]]] = _totals(
-          [ar_rows[i] for i in group], [sd_rows[i] for i in group],
-          sum(ar_batches[span]), sum(sd_batches[span]),
-          [r.stats for r in sd_results[span]], batch_size)
-      first += count
+          per_batch[span], ar_rows, sd_rows, sum(ar_batches[span]),
+          sum(sd_batches[span]), sd_results[span])
+      first = span.stop
   record["samples"] = [
-      {"prompt": p, "ar_tokens": a, "sd_tokens": s}
+      {"prompt": p, "ar_tokens": ar_rows[i], "sd_tokens": sd_rows[i]}
       | ({"category": prompts.categories[i]} if prompts.categories else {})
-      for i, (p, a, s) in enumerate(zip(prompts.texts, ar_rows, sd_rows))]
+      for i, p in enumerate(prompts.texts)]
   return record
 
 
@@ -180,7 +186,7 @@ def compare_drafters(config: ml_collections.ConfigDict) -> list[dict]:
     del variant["variants"]
     variant.update(overrides)
     loaded = loading.load_models(variant)
-    prompts = loading.load_prompts(variant, loaded.target.tokenizer)
+    prompts = loading.load_prompt_set(variant, loaded)
     for run in compare(variant, loaded, prompts):
       sd = run["sd"]
       result.append({

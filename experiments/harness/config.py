@@ -172,6 +172,14 @@ def check(config: ml_collections.ConfigDict) -> None:
     if config.drafter != "model":
       raise ValueError(f"tree={config.tree!r} drafts from a draft model; set "
                        "--config.drafter=model.")
+    if config.verification != "token" or config.confidence_threshold:
+      raise ValueError(f"tree={config.tree!r}: trees verify by recursive "
+                       "rejection and draft their whole template; unset "
+                       "--config.verification and "
+                       "--config.confidence_threshold.")
+    if "gammas" in config:
+      raise ValueError("a gamma sweep runs chains; compare trees with "
+                       "experiments.tree_ablation instead of --config.tree.")
     TreeTemplate(tree(config))
   for temperature in temperatures(config):
     sampling(config, temperature)
@@ -180,4 +188,5 @@ def check(config: ml_collections.ConfigDict) -> None:
   if "chains" in config:
     chains(config)
   if "gamma" in config:
-    DecodeConfig(gamma=config.gamma, max_new_tokens=config.max_new_tokens)
+    DecodeConfig(gamma=config.gamma, max_new_tokens=config.max_new_tokens,
+                 verify_buckets=config.verify_buckets)

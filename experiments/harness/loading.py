@@ -227,6 +227,9 @@ def load_questions(config: ml_collections.ConfigDict,
 def load_prompts(config: ml_collections.ConfigDict, tokenizer) -> list[str]:
   """config.prompts_file (one prompt per line), else held-out corpus files,
   each followed by its own first lines again when config.repeat_prompts."""
+  if config.prompts_file.endswith(".jsonl"):
+    raise ValueError(f"{config.prompts_file} holds questions by category; "
+                     "read it with load_prompt_set.")
   if config.prompts_file:
     path = pathlib.Path(config.prompts_file)
     if not path.exists():

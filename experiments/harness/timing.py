@@ -116,14 +116,17 @@ def _propose_steps(drafter, state, target_cache, tokens, lengths, key,
 
 def _verify_and_resample(target: Model, cache, tokens, lengths, draft_tokens,
                          draft_probs, parents, key, sampling: Sampling,
-                         depth: int, hidden_layers=()):
+                         depth: int, resample, hidden_layers=()):
   """A verify pass and its rejection step, as the decode loop runs them: a
-  chain's `resample`, or a tree's `resample_tree` and the target cache's
-  compaction. Returns (new_tokens, num_accepted, verified, path or None)."""
+  chain's `resample` (the decode's rule), or a tree's `resample_tree` and the
+  target cache's compaction. Returns (new_tokens, num_accepted, verified,
+  path or None). The pass is always the full width: a loop that verifies
+  only what was proposed (`DecodeConfig.verify_buckets`) runs narrower passes
+  in the cycles where nothing was, which its `width_cycles` count."""
   verified = verify(target, cache, tokens, lengths, draft_tokens, sampling,
                     parents=parents, hidden_layers=hidden_layers)
   if parents is None:
-    new_tokens, num_accepted = rejection.resample(
+    new_tokens, num_accepted = resample(
         key, draft_tokens, draft_probs, verified.probs, greedy=sampling.greedy)
     return new_tokens, num_accepted, verified, None
   new_tokens, num_accepted, path = resample_tree(
@@ -133,10 +136,10 @@ def _verify_and_resample(target: Model, cache, tokens, lengths, draft_tokens,
           verified.replace(cache=verified.cache.compact(lengths, path)), path)
 
 
-@functools.partial(jax.jit, static_argnames=("sampling", "depth"))
+@functools.partial(jax.jit, static_argnames=("sampling", "depth", "resample"))
 def _verify_steps(target: Model, cache, tokens, lengths, draft_tokens,
                   draft_probs, parents, key, num_steps, sampling: Sampling,
-                  depth: int):
+                  depth: int, resample=rejection.resample):
   """num_steps verify passes over N + 1 tokens (a chain's, or a tree's with
   parents), each with its rejection step."""
 
@@ -144,7 +147,7 @@ def _verify_steps(target: Model, cache, tokens, lengths, draft_tokens,
     draft_tokens, cache = carry
     new_tokens, _, verified, _ = _verify_and_resample(
         target, cache, tokens, lengths, draft_tokens, draft_probs, parents,
-        jax.random.fold_in(key, i), sampling, depth)
+        jax.random.fold_in(key, i), sampling, depth, resample)
     # Feeding the output back keeps the compiler from hoisting the pass.
     return (draft_tokens.at[:, 0].set(new_tokens[:, 0]),
             verified.cache.rollback(cache.lengths))
@@ -152,9 +155,11 @@ def _verify_steps(target: Model, cache, tokens, lengths, draft_tokens,
   return jax.lax.fori_loop(0, num_steps, step, (draft_tokens, cache))
 
 
-@functools.partial(jax.jit, static_argnames=("gamma", "sampling", "depth"))
+@functools.partial(jax.jit,
+                   static_argnames=("gamma", "sampling", "depth", "resample"))
 def _cycle_steps(target: Model, drafter, state, target_cache, tokens, lengths,
-                 key, num_steps, gamma: int, sampling: Sampling, depth: int):
+                 key, num_steps, gamma: int, sampling: Sampling, depth: int,
+                 resample=rejection.resample):
   """num_steps propose -> verify -> resample cycles: the decode loop's body
   without its bookkeeping (emitting tokens, counting statistics)."""
 
@@ -166,7 +171,7 @@ def _cycle_steps(target: Model, drafter, state, target_cache, tokens, lengths,
     new_tokens, num_accepted, verified, path = _verify_and_resample(
         target, proposal.target_cache, tokens, lengths, proposal.tokens,
         proposal.probs, proposal.parents, resample_key, sampling, depth,
-        drafter.target_layers)
+        resample, drafter.target_layers)
     state = proposal.state
     if path is not None:
       state = drafter.compact(state, lengths, path)
@@ -323,13 +328,13 @@ class CycleTimer:
             gamma, sampling),
          "verify": lambda n: _verify_steps(
              target, target_cache, tokens, lengths, draft_tokens, draft_probs,
-             parents, key, n, sampling, self.depth)},
+             parents, key, n, sampling, self.depth, config.resample)},
         {"draft_prefill": lambda: drafter.prefill(prompts, prompt_lengths,
                                                   max_len)})
     self.cycle = RoundTimer(
         {"cycle": lambda n: _cycle_steps(
             target, drafter, draft_state, target_cache, tokens, lengths, key,
-            n, gamma, sampling, self.depth)}, long=cycles)
+            n, gamma, sampling, self.depth, config.resample)}, long=cycles)
 
   def time_round(self) -> None:
     self.parts.time_round()
