@@ -46,8 +46,9 @@ def _output_layer_steps(embedding, x, num_steps):
   """num_steps products of x [B, D] with the output layer [V, D]."""
   def step(_, x):
     logits = x @ embedding.T
-    # Feeding a value back keeps the compiler from hoisting the product.
-    return x + logits[:, :1] * 1e-9
+    # Feeding every logit back keeps the compiler from hoisting the product
+    # or computing only part of it.
+    return x + logits.sum(-1, keepdims=True) * 1e-9
   return jax.lax.fori_loop(0, num_steps, step, x)
 
 
