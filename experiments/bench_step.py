@@ -26,8 +26,7 @@ def main(argv):
   report = bench_step.bench_step(config)
   print(bench_step.format_table(report))
   path = os.path.join(_WORKDIR.value, "bench_step.json")
-  records.write_json(path, {"code_version": records.code_version(),
-                            "config": config.to_dict(), **report})
+  records.write_results(path, config, report)
   print(f"wrote {path}")
 
 

@@ -26,14 +26,12 @@ def main(argv):
   config = _CONFIG.value
   config_lib.check(config)
   records.check_writable(_WORKDIR.value)
-  loaded = loading.load_models(config)
-  prompts = loading.load_prompt_set(config, loaded)
+  loaded, prompts = loading.load_experiment(config)
   print(f"{loaded.describe()}, {len(prompts.texts)} prompts", flush=True)
   rows = block_vs_token.block_vs_token(config, loaded, prompts)
   print(block_vs_token.format_table(rows))
   path = os.path.join(_WORKDIR.value, "block_verification.json")
-  records.write_json(path, {"code_version": records.code_version(),
-                            "config": config.to_dict(), "rows": rows})
+  records.write_results(path, config, {"rows": rows})
   print(f"wrote {path}")
 
 

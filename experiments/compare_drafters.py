@@ -25,9 +25,8 @@ def main(argv):
   rows = compare.compare_drafters(config)
   print(compare.format_drafter_table(rows))
   workdir = _WORKDIR.value
-  records.write_json(os.path.join(workdir, "drafters.json"), {
-      "code_version": records.code_version(), "config": config.to_dict(),
-      "rows": rows})
+  records.write_results(os.path.join(workdir, "drafters.json"), config,
+                        {"rows": rows})
   plots.save_figures(rows, workdir, {"drafters.png": plots.drafters_figure})
   print(f"wrote drafters.json and drafters.png to {workdir}")
 

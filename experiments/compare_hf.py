@@ -26,8 +26,7 @@ def main(argv):
   report = hf_compare.compare(config, _WORKDIR.value)
   print(hf_compare.format_table(report))
   path = os.path.join(_WORKDIR.value, "compare_hf.json")
-  records.write_json(path, {"code_version": records.code_version(),
-                            "config": config.to_dict(), **report})
+  records.write_results(path, config, report)
   print(f"wrote {path}")
 
 

@@ -31,8 +31,7 @@ def main(argv):
     print(f"{setting['tag']}: min p-value {min(setting['p_values']):.4f} over "
           f"{len(setting['p_values'])} positions -> {verdict}")
   path = os.path.join(_WORKDIR.value, "report.json")
-  records.write_json(path, {"code_version": records.code_version(),
-                            "config": config.to_dict(), **report})
+  records.write_results(path, config, report)
   print(f"wrote {path}")
 
 

@@ -24,17 +24,14 @@ def main(argv):
   config = _CONFIG.value
   config_lib.check(config)  # bad gammas fail before any loading
   records.check_writable(_WORKDIR.value)
-  loaded = loading.load_models(config)
-  prompts = loading.load_prompt_set(config, loaded)
+  loaded, prompts = loading.load_experiment(config)
   print(f"{loaded.describe()}, {len(prompts.texts)} prompts", flush=True)
   result = sweep.gamma_sweep(config, loaded, prompts)
   print(sweep.format_table(result["rows"]))
   for name in ("best_gamma_measured", "best_gamma_predicted"):
     print(f"{name}: {result[name]}")
   workdir = _WORKDIR.value
-  records.write_json(os.path.join(workdir, "sweep.json"), {
-      "code_version": records.code_version(), "config": config.to_dict(),
-      **result})
+  records.write_results(os.path.join(workdir, "sweep.json"), config, result)
   records.write_csv(os.path.join(workdir, "sweep.csv"), result["rows"])
   paths = plots.save_figures(result["rows"], workdir)
   print(f"wrote sweep.json, sweep.csv, {', '.join(map(os.path.basename, paths))}"

@@ -79,9 +79,7 @@ def main(argv):
             f"\n--- SD continuation ---\n"
             f"{loaded.target.tokenizer.decode(sample['sd_tokens'])}")
   path = os.path.join(_WORKDIR.value, "results.json")
-  records.write_json(path, {
-      "code_version": records.code_version(),
-      "config": config.to_dict(),
+  records.write_results(path, config, {
       "mesh": {"data": mesh.shape["data"], "model": mesh.shape["model"]},
       "num_processes": jax.process_count(),
       "target_param_bytes": param_bytes,

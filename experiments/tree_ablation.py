@@ -23,15 +23,13 @@ def main(argv):
   config = _CONFIG.value
   tree_ablation.shapes(config)  # bad shapes fail before any loading
   records.check_writable(_WORKDIR.value)
-  loaded = loading.load_models(config)
-  prompts = loading.load_prompt_set(config, loaded)
+  loaded, prompts = loading.load_experiment(config)
   print(f"{loaded.describe()}, {len(prompts.texts)} prompts", flush=True)
   rows = tree_ablation.tree_ablation(config, loaded, prompts)
   print(tree_ablation.format_table(rows))
   workdir = _WORKDIR.value
-  records.write_json(os.path.join(workdir, "trees.json"), {
-      "code_version": records.code_version(), "config": config.to_dict(),
-      "rows": rows})
+  records.write_results(os.path.join(workdir, "trees.json"), config,
+                        {"rows": rows})
   records.write_csv(os.path.join(workdir, "trees.csv"), rows)
   paths = plots.save_figures(rows, workdir,
                              {"trees.png": plots.tree_ablation_figure})

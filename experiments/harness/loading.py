@@ -156,6 +156,13 @@ class Prompts:
     return prompts if isinstance(prompts, cls) else cls(list(prompts))
 
 
+def load_experiment(config: ml_collections.ConfigDict
+                    ) -> tuple[Loaded, "Prompts"]:
+  """The models, drafter and prompts an experiment config names."""
+  loaded = load_models(config)
+  return loaded, load_prompt_set(config, loaded)
+
+
 def load_prompt_set(config: ml_collections.ConfigDict,
                     loaded: Loaded) -> Prompts:
   """The prompts the config names: a Spec-Bench style .jsonl file of

@@ -26,6 +26,13 @@ def code_version() -> str:
   return commit.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
 
 
+def write_results(path: str, config, results: dict) -> None:
+  """A results file: the code version and the config (a ConfigDict) that
+  produced the results, then the results."""
+  write_json(path, {"code_version": code_version(),
+                    "config": config.to_dict(), **results})
+
+
 def write_json(path: str, record: dict) -> None:
   files.write_atomic(path, lambda f: f.write(json.dumps(record, indent=2) + "\n"),
                 "w")
