@@ -52,7 +52,8 @@ class DecodeConfig:
     longest proposal in the batch (`verification.verify_widths`): 1 always
     verifies gamma + 1 tokens; 2 adds a plain target step for cycles in which
     no row proposed anything; 3 adds gamma // 2 + 1. Each width is compiled
-    into the loop; the output law does not depend on it.
+    into the loop; the output law does not depend on it. Only for drafters
+    that can propose fewer than gamma drafts (`Drafter.proposes_fewer`).
   """
 
   gamma: int = 4
@@ -159,6 +160,15 @@ class _Checked:
   stats: DecodeStats
 
 
+def _verify_widths(drafter: Drafter, config: DecodeConfig) -> tuple[int, ...]:
+  """The verify widths the loop chooses from: config.verify_buckets of them
+  for a drafter that proposes fewer than gamma drafts in some cycles; for one
+  that always proposes gamma, the full width only, so that no unused narrow
+  pass (and its switch, measured at 3-8% of the loop) is compiled in."""
+  buckets = config.verify_buckets if drafter.proposes_fewer else 1
+  return verify_widths(config.gamma, buckets)
+
+
 def _check_chain(key, target, drafter, proposal, state, config) -> _Checked:
   """Verifies a chain and accepts a prefix of it (`config.resample`)."""
   sampling = config.sampling
@@ -166,7 +176,7 @@ def _check_chain(key, target, drafter, proposal, state, config) -> _Checked:
     verified, width = verify_proposed(
         target, proposal.target_cache, state.tokens, state.lengths,
         proposal.tokens, proposal.probs, ~state.done, sampling,
-        verify_widths(config.gamma, config.verify_buckets),
+        _verify_widths(drafter, config),
         hidden_layers=drafter.target_layers)
   with jax.named_scope("resample"):
     new_tokens, num_accepted = config.resample(
@@ -200,7 +210,7 @@ def _check_tree(key, target, drafter, proposal, state, config) -> _Checked:
         depth=drafter.cycle_shape(config.gamma)[1])
   # Contexts on the accepted path: the root (0) and node path[i] (i + 1).
   # A tree is verified whole: counted as the widest pass.
-  width = len(verify_widths(config.gamma, config.verify_buckets)) - 1
+  width = len(_verify_widths(drafter, config)) - 1
   context = jnp.arange(proposal.probs.shape[1])
   on_path = (context == 0) | jnp.any(path[..., None] + 1 == context,
                                      axis=1)  # [B, N+1]
@@ -255,7 +265,7 @@ def _initial_state(key, target, drafter, prompts, prompt_lengths,
   """Both caches prefilled, in a buffer whose scratch tail holds a cycle's
   whole verify pass: N + 1 slots past any row's last output."""
   num_nodes, depth = drafter.cycle_shape(config.gamma)
-  num_widths = len(verify_widths(config.gamma, config.verify_buckets))
+  num_widths = len(_verify_widths(drafter, config))
   tokens = _init_tokens(prompts, config, scratch=num_nodes + 1)
   max_len = tokens.shape[1]
   return DecodeState(

@@ -29,6 +29,10 @@ class ModelDrafter:
   target_layers = ()
 
   @property
+  def proposes_fewer(self) -> bool:
+    return self.confidence_threshold > 0  # dynamic gamma
+
+  @property
   def vocab_size(self) -> int:
     return self.model.vocab_size
 
@@ -80,6 +84,7 @@ class TreeDrafter:
       object.__setattr__(self, "template", TreeTemplate(self.template))
 
   target_layers = ()
+  proposes_fewer = False  # the template fixes the tree
 
   @property
   def vocab_size(self) -> int:
@@ -134,6 +139,10 @@ class LayerSkipDrafter:
                                                   default=0.0)
 
   target_layers = ()
+
+  @property
+  def proposes_fewer(self) -> bool:
+    return self.confidence_threshold > 0  # dynamic gamma
 
   @property
   def vocab_size(self) -> int:
@@ -225,6 +234,7 @@ class NgramDrafter:
                        " need 1 <= min_n <= max_n.")
 
   target_layers = ()
+  proposes_fewer = True  # rows without a match propose nothing
 
   def validate(self, target: Model, max_len: int) -> None:
     del max_len  # no cache of its own

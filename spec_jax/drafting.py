@@ -11,6 +11,9 @@ a new class (drafters.py has four) and the loop does not change:
   cycle_shape(gamma) -> (N, D) the drafts verified per cycle and the most a
                               cycle accepts: (gamma, gamma) for a chain, by
                               which the loop sizes its buffers and statistics;
+  proposes_fewer              whether some cycles propose fewer than gamma
+                              drafts (prompt lookup, dynamic gamma): only then
+                              does the loop compile narrower verify passes;
   prefill(prompts, prompt_lengths, max_len) -> state
   propose(state, target_cache, tokens, lengths, key, gamma, sampling)
       -> Proposal
@@ -101,6 +104,9 @@ class Drafter(Protocol):
   def target_layers(self) -> tuple[int, ...]: ...
 
   def cycle_shape(self, gamma: int) -> tuple[int, int]: ...
+
+  @property
+  def proposes_fewer(self) -> bool: ...
 
   def validate(self, target: Model, max_len: int) -> None: ...
 

@@ -92,7 +92,9 @@ def test_layer_skip_keeps_no_second_cache(pair4):
   assert sum(x.nbytes for x in jax.tree.leaves(model_state)) > 0
   # ...and the compiled loop carries no more memory than with prompt lookup,
   # which has no draft model at all, while a separate 2-layer copy does.
-  config = sj.DecodeConfig(gamma=3, max_new_tokens=8)
+  # One verify width for all three, so that the loops differ only in their
+  # drafters (prompt lookup's narrower passes have buffers of their own).
+  config = sj.DecodeConfig(gamma=3, max_new_tokens=8, verify_buckets=1)
 
   def loop_bytes(drafter):
     compiled = sj.decoding.generate_jit.lower(
