@@ -40,6 +40,7 @@ def get_config(arg=None):
         "layer_skip": dict(drafter="layer_skip", gamma=2,
                            layer_skip=dict(num_layers=1),
                            confidence_threshold=0.2),
+        "eagle": dict(drafter="eagle", gamma=2, eagle="pretrained/eagle"),
     }
     config.num_prompts = 2
     config.max_new_tokens = 8

@@ -268,12 +268,14 @@ def _initial_state(key, target, drafter, prompts, prompt_lengths,
   num_widths = len(_verify_widths(drafter, config))
   tokens = _init_tokens(prompts, config, scratch=num_nodes + 1)
   max_len = tokens.shape[1]
+  target_cache, hidden = target.prefill_with_hidden(
+      prompts, prompt_lengths, max_len, drafter.target_layers)
   return DecodeState(
       tokens=tokens,
       lengths=prompt_lengths,
       done=jnp.zeros(prompt_lengths.shape, bool),
-      target_cache=target.prefill(prompts, prompt_lengths, max_len),
-      draft_state=drafter.prefill(prompts, prompt_lengths, max_len),
+      target_cache=target_cache,
+      draft_state=drafter.prefill(prompts, prompt_lengths, max_len, hidden),
       key=key,
       stats=DecodeStats.zeros(prompts.shape[0], depth, num_widths),
   )

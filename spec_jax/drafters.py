@@ -50,7 +50,8 @@ class ModelDrafter:
   def describe(self) -> str:
     return f"draft model, {self.model.num_params:,} params"
 
-  def prefill(self, prompts, prompt_lengths, max_len) -> KVCache:
+  def prefill(self, prompts, prompt_lengths, max_len, hidden=()) -> KVCache:
+    del hidden  # reads nothing of the target's
     return self.model.prefill(prompts, prompt_lengths, max_len)
 
   def propose(self, state, target_cache, tokens, lengths, key, gamma,
@@ -106,7 +107,8 @@ class TreeDrafter:
             f"({self.template.num_nodes} nodes), "
             f"{self.model.num_params:,} params")
 
-  def prefill(self, prompts, prompt_lengths, max_len) -> KVCache:
+  def prefill(self, prompts, prompt_lengths, max_len, hidden=()) -> KVCache:
+    del hidden  # reads nothing of the target's
     return self.model.prefill(prompts, prompt_lengths, max_len)
 
   def propose(self, state, target_cache, tokens, lengths, key, gamma,
@@ -163,7 +165,7 @@ class LayerSkipDrafter:
   def describe(self) -> str:
     return f"layer skip, {self.num_layers} layers"
 
-  def prefill(self, prompts, prompt_lengths, max_len) -> None:
+  def prefill(self, prompts, prompt_lengths, max_len, hidden=()) -> None:
     return None  # the target's prefill already filled the shared layers
 
   def propose(self, state, target_cache, tokens, lengths, key, gamma,
@@ -246,7 +248,7 @@ class NgramDrafter:
   def describe(self) -> str:
     return f"prompt lookup, n = {self.max_n}..{self.min_n}"
 
-  def prefill(self, prompts, prompt_lengths, max_len) -> None:
+  def prefill(self, prompts, prompt_lengths, max_len, hidden=()) -> None:
     return None
 
   def propose(self, state, target_cache, tokens, lengths, key, gamma,

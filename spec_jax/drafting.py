@@ -14,7 +14,10 @@ a new class (drafters.py has four) and the loop does not change:
   proposes_fewer              whether some cycles propose fewer than gamma
                               drafts (prompt lookup, dynamic gamma): only then
                               does the loop compile narrower verify passes;
-  prefill(prompts, prompt_lengths, max_len) -> state
+  prefill(prompts, prompt_lengths, max_len, hidden) -> state
+                              hidden: the target's hidden states of
+                              `target_layers` over the prompts, each
+                              [B, P, D], from the target's own prefill
   propose(state, target_cache, tokens, lengths, key, gamma, sampling)
       -> Proposal
   update(state, cache_lengths, verified) -> state
@@ -112,7 +115,8 @@ class Drafter(Protocol):
 
   def describe(self) -> str: ...
 
-  def prefill(self, prompts, prompt_lengths, max_len) -> DraftState: ...
+  def prefill(self, prompts, prompt_lengths, max_len,
+              hidden=()) -> DraftState: ...
 
   def propose(self, state, target_cache, tokens, lengths, key, gamma,
               sampling) -> Proposal: ...

@@ -661,7 +661,6 @@ class Model:
   def init_cache(self, batch_size: int, max_len: int) -> KVCache:
     return self._constrain(init_cache(self.config, batch_size, max_len))
 
-  @functools.partial(jax.jit, static_argnames="max_len")
   def prefill(
       self, prompts: jax.Array, prompt_lengths: jax.Array, max_len: int
   ) -> KVCache:
@@ -670,9 +669,35 @@ class Model:
     The pointer is left at `prompt_lengths - 1`: the cache holds every prompt
     token but the last, which the first decode step feeds (and rewrites).
     """
+    return self.prefill_with_hidden(prompts, prompt_lengths, max_len)[0]
+
+  @functools.partial(jax.jit, static_argnames=("max_len", "hidden_layers"))
+  def prefill_with_hidden(
+      self, prompts: jax.Array, prompt_lengths: jax.Array, max_len: int,
+      hidden_layers: tuple[int, ...] = (),
+  ) -> tuple[KVCache, tuple[jax.Array, ...]]:
+    """`prefill`, also returning the prompts' hidden states [B, P, D] of
+    `hidden_layers` (for a drafter that reads the target's features)."""
     cache = self.init_cache(prompts.shape[0], max_len)
-    _, cache = self(prompts, cache)
-    return cache.rollback(prompt_lengths - 1)
+    _, cache, hidden = self.forward(prompts, cache,
+                                    hidden_layers=hidden_layers)
+    return cache.rollback(prompt_lengths - 1), hidden
+
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """[B, T, D] input embeddings of tokens [B, T], without positions (a
+    feature-level draft head reuses the target's table)."""
+    x = jnp.take(self.params["embed"]["embedding"], tokens, axis=0)
+    if self.config.embed_scale:
+      x = x * jnp.asarray(math.sqrt(self.config.d_model), x.dtype)
+    return x.astype(self.config.dtype)
+
+  def unembed(self, x: jax.Array) -> jax.Array:
+    """float32 logits [..., V] of final-normed states x [..., D]: the output
+    layer alone (tied or not, soft-capped as the model's)."""
+    kernel = (self.params["embed"]["embedding"] if self.config.tie_embeddings
+              else self.params["lm_head"]["kernel"])
+    logits = jnp.einsum("...d,vd->...v", x, kernel.astype(x.dtype))
+    return _softcap(logits.astype(jnp.float32), self.config.final_softcap)
 
 
 @jax.jit

@@ -221,24 +221,6 @@ def test_gamma_sweep_refuses_bad_gammas_before_loading(tmp_path):
   assert result.returncode != 0 and "gammas >= 1" in result.stderr
 
 
-@pytest.mark.slow  # 25 s; every drafter also runs in the exactness smoke runs
-def test_compare_drafters_smoke_run(tiny_models, tmp_path):
-  target, draft = tiny_models
-  result = run_module(
-      "experiments.compare_drafters",
-      "--config=configs/compare_drafters.py:runlocal", f"--workdir={tmp_path}",
-      f"--config.target={target}", f"--config.draft={draft}",
-      f"--config.corpus={CORPUS}", "--config.prompt_tokens=8",
-      "--config.temperatures=0", "--config.variants.layer_skip.layer_skip."
-      "num_layers=1")
-  assert result.returncode == 0, result.stderr[-3000:]
-  rows = json.loads((tmp_path / "drafters.json").read_text())["rows"]
-  assert {r["drafter"] for r in rows} == {"model", "ngram", "layer_skip"}
-  for row in rows:
-    assert row["tokens_per_cycle"] >= 1 and row["speedup"] > 0
-  assert (tmp_path / "drafters.png").read_bytes()[:4] == b"\x89PNG"
-
-
 def test_renamed_field_says_the_new_spelling(tmp_path):
   result = run_module("experiments.run", "--config=configs/quickstart.py",
                       f"--workdir={tmp_path}", "--config.temperature=0")

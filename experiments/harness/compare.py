@@ -1,6 +1,5 @@
-"""AR and SD side by side on the same prompts: the main job's comparison, and
-the comparison of drafters. `experiments/` and the notebooks call these."""
-
+"""AR and SD side by side on the same prompts: the main job's comparison,
+which the drafter comparison, the sweeps and the notebooks build on."""
 import logging
 
 import jax
@@ -172,50 +171,6 @@ def compare(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   return [compare_at(config, loaded, prompts, temperature, seed_offset=index,
                      mesh=mesh)
           for index, temperature in enumerate(config_lib.temperatures(config))]
-
-
-def compare_drafters(config: ml_collections.ConfigDict) -> list[dict]:
-  """`compare` for each of config.variants (name -> config overrides).
-
-  Returns one row per (variant, temperature): the drafter, gamma, alpha
-  (mean sum_x min(p, q)), acceptance rate, tau, tokens/s and the speedup.
-  """
-  result = []
-  for index, (name, overrides) in enumerate(config.variants.items()):
-    variant = ml_collections.ConfigDict(config.to_dict())
-    del variant["variants"]
-    variant.update(overrides)
-    loaded = loading.load_models(variant)
-    prompts = loading.load_prompt_set(variant, loaded)
-    for run in compare(variant, loaded, prompts):
-      sd = run["sd"]
-      result.append({
-          "variant": name, "drafter": variant.drafter, "gamma": run["gamma"],
-          "temperature": run["temperature"],
-          "alpha_min_pq": sd["mean_overlap"],
-          "acceptance_rate": sd["acceptance_rate"],
-          "tokens_per_cycle": sd["tokens_per_cycle"],
-          "ar_tokens_per_s": run["ar"]["tokens_per_s"],
-          "sd_tokens_per_s": sd["tokens_per_s"], "speedup": run["speedup"],
-          "overrides": overrides.to_dict() if hasattr(overrides, "to_dict")
-                       else dict(overrides)})
-      _log.info("[%d/%d] %s, T=%g: alpha %.3f, tau %.2f, speedup %.2fx",
-                index + 1, len(config.variants), name, run["temperature"],
-                sd["mean_overlap"], sd["tokens_per_cycle"], run["speedup"])
-  return result
-
-
-def format_drafter_table(result: list[dict]) -> str:
-  width = max(len(r["variant"]) for r in result)
-  lines = [f"{'drafter':<{width}} {'T':>3} {'gamma':>5} {'alpha':>6} "
-           f"{'tau':>5} {'AR tok/s':>8} {'SD tok/s':>8} {'speedup':>7}"]
-  for r in result:
-    lines.append(
-        f"{r['variant']:<{width}} {r['temperature']:>3g} {r['gamma']:>5d} "
-        f"{r['alpha_min_pq']:>6.3f} {r['tokens_per_cycle']:>5.2f} "
-        f"{r['ar_tokens_per_s']:>8.1f} {r['sd_tokens_per_s']:>8.1f} "
-        f"{r['speedup']:>6.2f}x")
-  return "\n".join(lines)
 
 
 def format_category_table(run: dict) -> str:

@@ -18,7 +18,7 @@ from spec_jax.decoding import DecodeConfig
 from spec_jax.draft_tree import TreeTemplate
 from spec_jax.sampling import Sampling
 
-DRAFTERS = ("model", "ngram", "layer_skip")
+DRAFTERS = ("model", "ngram", "layer_skip", "eagle")
 # config.verification -> the decode's rejection rule; one function object per
 # rule, so that equal configs compile once.
 RESAMPLERS = {"token": rejection.resample,
@@ -32,9 +32,13 @@ def base_config() -> ml_collections.ConfigDict:
   # Hugging Face folder.
   config.target = "pretrained/target"
   # Where drafts come from: model (config.draft), ngram (prompt lookup in the
-  # row's own context, no draft model) or layer_skip (the target's first
-  # layers, sharing its cache).
+  # row's own context, no draft model), layer_skip (the target's first
+  # layers, sharing its cache) or eagle (a head on the target's features,
+  # config.eagle).
   config.drafter = "model"
+  # The EAGLE head directory, for drafter=eagle (experiments.train_eagle
+  # writes WORKDIR/head); "pretrained/eagle" is the built-in target's.
+  config.eagle = "pretrained/eagle"
   # The draft model directory, for drafter=model.
   config.draft = "pretrained/draft"
   # Dynamic gamma for model and layer_skip: a row stops drafting once the

@@ -16,7 +16,7 @@ import numpy as np
 
 from experiments.harness import config as config_lib
 from experiments.harness import data
-from spec_jax import checkpoint, gguf, hf, pretrained, sharding
+from spec_jax import checkpoint, eagle, gguf, hf, pretrained, sharding
 from spec_jax.decoding import (DecodeConfig, generate_autoregressive,
                                pad_prompts)
 from spec_jax.bundle import ModelBundle
@@ -109,7 +109,8 @@ def make_drafter(config: ml_collections.ConfigDict, target, draft=None):
     config.confidence_threshold > 0, or a tree of config.tree's shape;
   ngram: prompt lookup with config.ngram.max_n / min_n;
   layer_skip: the target's first config.layer_skip.num_layers layers, dynamic
-    gamma as for model.
+    gamma as for model;
+  eagle: the EAGLE head at config.eagle, drafting from the target's features.
   """
   if config.drafter == "model" and config_lib.tree(config):
     return TreeDrafter(draft, config_lib.tree(config))
@@ -121,6 +122,8 @@ def make_drafter(config: ml_collections.ConfigDict, target, draft=None):
   if config.drafter == "layer_skip":
     return LayerSkipDrafter(target, num_layers=config.layer_skip.num_layers,
                             confidence_threshold=config.confidence_threshold)
+  if config.drafter == "eagle":
+    return eagle.load_head(pretrained.resolve(config.eagle), target)
   raise ValueError(f"drafter={config.drafter!r}: choose one of "
                    f"{config_lib.DRAFTERS}.")
 

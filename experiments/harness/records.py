@@ -33,7 +33,7 @@ def write_results(path: str, config, results: dict) -> None:
                     "config": config.to_dict(), **results})
 
 
-def write_json(path: str, record: dict) -> None:
+def write_json(path: str, record: dict | list) -> None:
   files.write_atomic(path, lambda f: f.write(json.dumps(record, indent=2) + "\n"),
                 "w")
 

@@ -311,8 +311,11 @@ class CycleTimer:
     key = jax.random.key(0)
     tokens, lengths, full, target_cache = _context(target, batch_size,
                                                    max_len)
-    draft_state = drafter.update(drafter.prefill(tokens, full, max_len),
-                                 lengths - 1, None)
+    layers = drafter.target_layers
+    # Prefilled over the whole context with the pointer at mid-cache, as the
+    # target's: a drafter that reads the target's features gets them.
+    draft_state = drafter.prefill(tokens, lengths, max_len, target.prefill_with_hidden(
+        tokens, full, max_len, layers)[1])
     draft_tokens = tokens[:, :num_nodes]
     # A tree's q sits at its N + 1 context nodes, a chain's at its drafts.
     parents = (None if template is None else
@@ -322,6 +325,8 @@ class CycleTimer:
         1.0 / target.vocab_size)
     prompts = tokens[:, :prompt_width]
     prompt_lengths = jnp.full((batch_size,), prompt_width, jnp.int32)
+    prompt_hidden = target.prefill_with_hidden(prompts, prompt_lengths,
+                                               max_len, layers)[1]
     self.parts = RoundTimer(
         {"propose": lambda n: _propose_steps(
             drafter, draft_state, target_cache, tokens, lengths, key, n,
@@ -330,7 +335,7 @@ class CycleTimer:
              target, target_cache, tokens, lengths, draft_tokens, draft_probs,
              parents, key, n, sampling, self.depth, config.resample)},
         {"draft_prefill": lambda: drafter.prefill(prompts, prompt_lengths,
-                                                  max_len)})
+                                                  max_len, prompt_hidden)})
     self.cycle = RoundTimer(
         {"cycle": lambda n: _cycle_steps(
             target, drafter, draft_state, target_cache, tokens, lengths, key,

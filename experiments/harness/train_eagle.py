@@ -1,0 +1,192 @@
+"""Training an EAGLE head for a target, resumable at every stage.
+
+  1. data      corpus windows, or the target's own replies to instructions
+               (self-distillation, written batch by batch);
+  2. features  one target pass over every sequence, cached on disk
+               (eagle_data.FeatureCache);
+  3. training  training-time test (spec_jax.eagle_training) with optax and
+               orbax checkpoints; the held-out greedy acceptance by draft
+               position is logged and written to learning_curve.json;
+  4. the head  written to workdir/head (spec_jax.eagle.save_head), which
+               `--config.drafter=eagle --config.eagle=DIR/head` loads.
+
+A stage whose output is on disk is skipped, so an interrupted run picks up
+where it stopped: inside stage 1 at the next batch, inside stage 3 at the
+last checkpoint.
+"""
+
+import json
+import logging
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+
+from experiments.harness import eagle_data, loading, records
+from experiments.harness.train import make_optimizer
+from spec_jax import eagle, eagle_training
+from spec_jax.bundle import ModelBundle
+
+_log = logging.getLogger(__name__)
+
+
+def sequences(config: ml_collections.ConfigDict, bundle: ModelBundle,
+              workdir: pathlib.Path) -> list[np.ndarray]:
+  if config.data == "corpus":
+    return eagle_data.corpus_sequences(bundle.tokenizer, config.num_sequences,
+                                       config.seq_len, config.seed,
+                                       config.corpus)
+  if config.data == "self_distill":
+    requests = eagle_data.instructions(config.num_sequences, config.seed,
+                                       config.corpus)
+    return eagle_data.self_distill(
+        bundle, requests, workdir / "replies",
+        max_new_tokens=config.max_new_tokens,
+        batch_size=config.generate_batch_size,
+        temperature=config.generate_temperature, seed=config.seed)
+  raise ValueError(f"data={config.data!r}: use 'corpus' or 'self_distill'.")
+
+
+def reduced_vocabulary(cache: eagle_data.FeatureCache, size: int,
+                       vocab_size: int, rows) -> np.ndarray:
+  """[size] int32: the tokens most often the target's argmax in `rows`."""
+  counts = np.zeros(vocab_size, np.int64)
+  for row in rows:
+    argmax = np.asarray(cache.top_ids[row, :cache.lengths[row], 0])
+    counts += np.bincount(argmax, minlength=vocab_size)
+  return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
+
+
+def _evaluate(params, config, head_config, target, cache, rows, vocab_ids):
+  """Mean held-out loss and greedy acceptance [ttt_steps] by draft."""
+  results = []
+  for first in range(0, len(rows), config.batch_size):
+    batch = cache.batch(rows[first:first + config.batch_size])
+    results.append(eagle_training.evaluate(
+        params, head_config, target, batch, vocab_ids, config.ttt_steps)[1])
+  top1 = np.mean([np.asarray(r["top1"]) for r in results], 0)
+  loss = np.mean([np.asarray(r["loss"]) for r in results], 0)
+  return loss, top1
+
+
+def greedy_tokens_per_cycle(top1: np.ndarray, gamma: int) -> float:
+  """1 + a_1 + a_1 a_2 + ...: tau if draft k is accepted with the held-out
+  rate top1[k - 1] given the drafts before it were (the last rate past the
+  trained steps)."""
+  rates = np.concatenate([top1, np.repeat(top1[-1:], max(0, gamma - len(top1)))])
+  return float(1 + np.cumprod(rates[:gamma]).sum())
+
+
+class _Curve:
+  """The learning curve: one record per evaluation, in a JSON file that a
+  resumed run truncates to its checkpoint."""
+
+  def __init__(self, path: pathlib.Path, start: int):
+    self.path = path
+    self.records = []
+    if path.exists():
+      self.records = [r for r in json.loads(path.read_text())
+                      if r["step"] <= start]
+
+  def add(self, record: dict) -> None:
+    self.records.append(record)
+    records.write_json(self.path, self.records)
+
+
+def _head_config(config, target) -> eagle.EagleConfig:
+  return eagle.EagleConfig.for_target(
+      target.config, tuple(config.feature_layers) or None,
+      config.reduced_vocab)
+
+
+def train(config: ml_collections.ConfigDict, workdir) -> eagle.EagleDrafter:
+  """Runs every stage (see the module docstring); returns the head."""
+  workdir = pathlib.Path(workdir).absolute()
+  workdir.mkdir(parents=True, exist_ok=True)
+  bundle = loading.load(config.target, name="target")
+  target = bundle.model
+  head_config = _head_config(config, target)
+  if not (workdir / "features").exists():
+    eagle_data.extract_features(
+        target, sequences(config, bundle, workdir), workdir / "features",
+        layers=head_config.feature_layers, length=config.seq_len,
+        top_k=config.top_k, batch_size=config.feature_batch_size)
+  cache = eagle_data.FeatureCache.open(workdir / "features")
+  num = len(cache.lengths)
+  heldout = np.arange(num - config.eval_sequences, num)
+  train_rows = np.arange(num - config.eval_sequences)
+  vocab_ids = None
+  if config.reduced_vocab:
+    vocab_ids = jnp.asarray(reduced_vocabulary(
+        cache, config.reduced_vocab, target.vocab_size, train_rows))
+  tokens_per_step = config.batch_size * config.seq_len
+  _log.info("%d training sequences, %d held out; %s", len(train_rows),
+            len(heldout), eagle.EagleDrafter(
+                target, eagle.init_params(head_config, jax.random.key(0)),
+                head_config, vocab_ids).describe())
+
+  optimizer = make_optimizer(config)
+  params = eagle.init_params(head_config, jax.random.key(config.seed))
+  state = {"params": params, "opt_state": optimizer.init(params),
+           "seconds": np.zeros((), np.float64)}
+  manager = ocp.CheckpointManager(
+      workdir / "checkpoints",
+      options=ocp.CheckpointManagerOptions(
+          max_to_keep=2, save_interval_steps=config.checkpoint_every))
+  start = manager.latest_step() or 0
+  if start:
+    state = manager.restore(start, args=ocp.args.StandardRestore(state))
+    _log.info("resumed from step %d", start)
+  curve = _Curve(workdir / "learning_curve.json", start)
+  clock, last = time.perf_counter(), start
+  seconds = float(state["seconds"])
+  for step in range(start, config.num_steps):
+    # Batches depend only on (seed, step), so a resumed run sees the same data.
+    rows = np.random.default_rng([config.seed, step]).choice(
+        train_rows, config.batch_size, replace=False)
+    params, opt_state, metrics = eagle_training.train_step(
+        state["params"], state["opt_state"], head_config, target,
+        cache.batch(rows), vocab_ids, optimizer, config.ttt_steps)
+    done = step + 1
+    if done % config.log_every == 0 or done == config.num_steps:
+      elapsed = time.perf_counter() - clock
+      seconds += elapsed
+      rate = (done - last) / elapsed
+      _log.info("step %d/%d  loss %.3f  top1 %s  %.0f tokens/s  ETA %.0f s",
+                done, config.num_steps, float(metrics["loss"][0]),
+                np.round(np.asarray(metrics["top1"]), 3),
+                rate * tokens_per_step, (config.num_steps - done) / rate)
+      clock, last = time.perf_counter(), done
+    state = {"params": params, "opt_state": opt_state,
+             "seconds": np.asarray(seconds, np.float64)}
+    if done % config.eval_every == 0 or done == config.num_steps:
+      loss, top1 = _evaluate(params, config, head_config, target, cache,
+                             heldout, vocab_ids)
+      record = {"step": done, "tokens_seen": done * tokens_per_step,
+                "train_hours": seconds / 3600, "loss": loss.tolist(),
+                "top1": top1.tolist(),
+                "greedy_tau_gamma4": greedy_tokens_per_cycle(top1, 4)}
+      curve.add(record)
+      _log.info("eval step %d  tokens %d  held-out loss %s  greedy "
+                "acceptance by draft %s  (tau at gamma 4 about %.2f)", done,
+                record["tokens_seen"], np.round(loss, 3), np.round(top1, 3),
+                record["greedy_tau_gamma4"])
+    manager.save(done, args=ocp.args.StandardSave(state))
+  manager.wait_until_finished()
+
+  drafter = eagle.EagleDrafter(target, state["params"], head_config,
+                               vocab_ids)
+  metadata = {"target": config.target, "data": config.data,
+              "sequences": len(train_rows),
+              "tokens_seen": config.num_steps * tokens_per_step,
+              "train_hours": float(state["seconds"]) / 3600,
+              "final": curve.records[-1] if curve.records else None,
+              "config": config.to_dict()}
+  eagle.save_head(workdir / "head", drafter, metadata,
+                  config.storage_dtype or None)
+  _log.info("wrote %s", workdir / "head")
+  return drafter
