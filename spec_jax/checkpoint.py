@@ -20,15 +20,16 @@ import jax.numpy as jnp
 import tokenizers
 
 from spec_jax import files, sharding
-from spec_jax.model import Model, TransformerConfig
+from spec_jax.model import Model, TransformerConfig, abstract_params
 
 
 def save_model(path, model: Model, tokenizer: tokenizers.Tokenizer,
                storage_dtype: str | None = None) -> None:
   """Writes a model directory at path, replacing any old one atomically.
 
-  storage_dtype: e.g. "bfloat16" to halve the files; loading casts back to
-    the config's dtype.
+  storage_dtype: e.g. "bfloat16" to halve the files; loading casts each
+    parameter back to the dtype the config gives it (`weight_dtype` for
+    matmul weights, `dtype` for the rest).
   """
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   params = model.params
@@ -54,13 +55,13 @@ def _restore_params(path: pathlib.Path, config: TransformerConfig, mesh,
   """The stored params: on the default device, or straight into their
   shardings on a mesh (each device reads only its shards)."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  expected = jax.eval_shape(lambda: Model.init(config, jax.random.key(0)))
+  expected = abstract_params(config)
   targets = (sharding.restore_targets(config, mesh, replicate, name)
              if mesh is not None else None)
   with ocp.StandardCheckpointer() as checkpointer:
     params = checkpointer.restore(path / "params", targets)
   shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
-  if shapes(params) != shapes(expected.params):
+  if shapes(params) != shapes(expected):
     raise ValueError("the stored parameters do not match config.json")
   return params
 
@@ -97,5 +98,6 @@ def load_model(path, mesh: jax.sharding.Mesh | None = None,
         f" {error}). Re-export or re-train it.") from error
   if mesh is not None:
     return sharding.place(config, params, mesh, replicate, name), tokenizer
-  params = jax.tree.map(lambda x: jnp.asarray(x, config.dtype), params)
+  params = jax.tree.map(lambda x, wanted: jnp.asarray(x, wanted.dtype),
+                        params, abstract_params(config))
   return Model(config, params), tokenizer

@@ -41,6 +41,11 @@ switches whose defaults are GPT-2's (and the built-in pair's):
 Sliding-window layers keep the full-length cache and mask by distance: a query
 at position t sees keys at positions t - window + 1 .. t. The mask is made once
 per call, next to the causal one, and each block takes the one of its type.
+
+Matmul weights (the Linear kernels, the embedding table and the output layer)
+can be stored in another dtype than the activations: `weight_dtype` (see
+`matmul` for the trade, and `Model.with_weight_dtype` to convert a loaded
+model).
 """
 
 import dataclasses
@@ -98,7 +103,12 @@ class TransformerConfig:
   num_heads: int = 4
   d_ff: int = 1024
   max_len: int = 1024  # Positions the model supports (learned table rows).
-  dtype: str = "float32"  # Parameter and activation dtype.
+  dtype: str = "float32"  # Activation dtype, and parameter dtype by default.
+  # Dtype the matmul weights are stored in (Linear kernels, the embedding
+  # table and the output layer), e.g. "bfloat16" under float32 activations to
+  # halve the bytes a step reads; None: dtype. Norms, biases, the position
+  # table and the KV cache keep dtype. See `matmul`.
+  weight_dtype: str | None = None
   # "layer" (LayerNorm), "rms" (RMSNorm), or "gemma_rms" (RMSNorm scaling by
   # 1 + w, computed in float32, as Gemma's).
   norm: str = "layer"
@@ -147,6 +157,15 @@ class TransformerConfig:
       object.__setattr__(self, "num_kv_heads", self.num_heads)
     if isinstance(self.rope_scaling, dict):
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+    if self.weight_dtype is not None:
+      weight_dtype = jnp.dtype(self.weight_dtype)
+      if not jnp.issubdtype(weight_dtype, jnp.floating):
+        raise ValueError(f"weight_dtype={self.weight_dtype!r}; expected a "
+                         "floating dtype such as 'bfloat16'.")
+      # A name, so the config stays JSON; None when it is dtype, so that
+      # equal models have equal configs.
+      object.__setattr__(self, "weight_dtype", None if weight_dtype
+                         == jnp.dtype(self.dtype) else weight_dtype.name)
     if self.layer_types is not None:
       object.__setattr__(self, "layer_types", tuple(self.layer_types))
       if len(self.layer_types) != self.num_layers:
@@ -264,26 +283,83 @@ def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
   return jax.vmap(jax.vmap(write, (0, 0, None)))(cache, new, positions)
 
 
+def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+  """x [..., D] times kernel [F, D] transposed: [..., F] in x's dtype.
+
+  A kernel stored in x's dtype is a plain product. A kernel stored in another
+  dtype (bfloat16 weights under float32 activations) multiplies x rounded to
+  its dtype, and the products are summed in float32 (`preferred_element_type`),
+  so XLA reads the stored kernel as it is: on CPU, a product of 2 or more rows
+  reads the bfloat16 kernel directly (half the bytes of float32), while a
+  one-row product still converts a float32 copy first, which made it slower
+  than float32 weights when measured on SmolLM2's shapes.
+
+  The trade: such a model is not the float32 model. Its weights are rounded
+  to bfloat16 and so are the inputs of each matmul; everything else (the
+  residual stream, norms, attention scores, softmax and the logits) stays in
+  the activation dtype. Speculative decoding then preserves exactly the law
+  of this bfloat16-weight model, whose logits are close to the float32
+  model's but not equal to them.
+  """
+  if kernel.dtype == x.dtype:
+    return jnp.einsum("...d,fd->...f", x, kernel)
+  y = jnp.einsum("...d,fd->...f", x.astype(kernel.dtype), kernel,
+                 preferred_element_type=jnp.float32)
+  return y.astype(x.dtype)
+
+
 class Linear(nn.Module):
   """y = x W^T + b with the kernel stored [out, in], as torch.nn.Linear does.
 
   The same layout as PyTorch and Hugging Face checkpoints, and on CPU a
-  one-token step measured faster with it than with flax's [in, out].
+  one-token step measured faster with it than with flax's [in, out]. The
+  kernel is stored in weight_dtype (None: dtype), the bias in dtype; see
+  `matmul`.
   """
 
   features: int
   dtype: str
   use_bias: bool = True
+  weight_dtype: str | None = None
 
   @nn.compact
   def __call__(self, x):
     kernel = self.param("kernel", nn.initializers.lecun_normal(),
-                        (self.features, x.shape[-1]), self.dtype)
-    y = jnp.einsum("...d,fd->...f", x, kernel)
+                        (self.features, x.shape[-1]),
+                        self.weight_dtype or self.dtype)
+    y = matmul(x, kernel)
     if self.use_bias:
       y += self.param("bias", nn.initializers.zeros, (self.features,),
                       self.dtype)
     return y
+
+
+class Embed(nn.Module):
+  """The token table [V, D]: rows for tokens in, and (tied) logits out.
+
+  flax's nn.Embed promotes its whole table to the activation dtype on every
+  call; this one converts only the rows it looks up, and `attend` multiplies
+  by the table as stored (`matmul`). The same parameter path
+  ("embed/embedding") and initialiser.
+  """
+
+  num_embeddings: int
+  features: int
+  dtype: str
+  weight_dtype: str | None = None
+
+  def setup(self):
+    self.embedding = self.param(
+        "embedding", nn.initializers.normal(0.02),
+        (self.num_embeddings, self.features), self.weight_dtype or self.dtype)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """[..., D] rows of tokens [...]."""
+    return jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)
+
+  def attend(self, x: jax.Array) -> jax.Array:
+    """x [..., D] -> [..., V]: the product with every token's row."""
+    return matmul(x, self.embedding)
 
 
 def rope_frequencies(config: TransformerConfig,
@@ -378,7 +454,7 @@ class Block(nn.Module):
     h = _norm(cfg, "ln_attn")(x)
     # One projection for q, k and v: one matmul per step.
     qkv = Linear((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
-                 cfg.dtype, cfg.qkv_bias, name="qkv")(h)
+                 cfg.dtype, cfg.qkv_bias, cfg.weight_dtype, name="qkv")(h)
     q, k, v = _split_qkv(cfg, qkv)
     if cfg.qk_norm:  # Per head, before the rotation.
       q, k = _norm(cfg, "q_norm")(q), _norm(cfg, "k_norm")(k)
@@ -388,8 +464,8 @@ class Block(nn.Module):
                                                             inv_freq)
     keys = _write(keys, jnp.swapaxes(k, 1, 2), slots)
     values = _write(values, jnp.swapaxes(v, 1, 2), slots)
-    h = Linear(cfg.d_model, cfg.dtype, cfg.bias, name="attn_out")(
-        _attend(cfg, q, keys, values, visible))
+    h = Linear(cfg.d_model, cfg.dtype, cfg.bias, cfg.weight_dtype,
+               name="attn_out")(_attend(cfg, q, keys, values, visible))
     if cfg.post_norms:
       h = _norm(cfg, "post_attn")(h)
     x = x + h
@@ -398,12 +474,15 @@ class Block(nn.Module):
     if cfg.mlp in ("swiglu", "geglu"):
       # Gate and up projections in one matmul, gate first.
       gate, up = jnp.split(
-          Linear(2 * cfg.d_ff, cfg.dtype, cfg.bias, name="mlp_in")(h), 2, -1)
+          Linear(2 * cfg.d_ff, cfg.dtype, cfg.bias, cfg.weight_dtype,
+                 name="mlp_in")(h), 2, -1)
       activation = nn.silu if cfg.mlp == "swiglu" else nn.gelu
       h = activation(gate) * up
     else:
-      h = nn.gelu(Linear(cfg.d_ff, cfg.dtype, cfg.bias, name="mlp_in")(h))
-    h = Linear(cfg.d_model, cfg.dtype, cfg.bias, name="mlp_out")(h)
+      h = nn.gelu(Linear(cfg.d_ff, cfg.dtype, cfg.bias, cfg.weight_dtype,
+                         name="mlp_in")(h))
+    h = Linear(cfg.d_model, cfg.dtype, cfg.bias, cfg.weight_dtype,
+               name="mlp_out")(h)
     if cfg.post_norms:
       h = _norm(cfg, "post_mlp")(h)
     return x + h, keys, values
@@ -555,10 +634,8 @@ class Transformer(nn.Module):
     positions = positions.astype(jnp.int32)
     slots, visible, local = _masks(cfg, positions, cache.keys[0].shape[2],
                                    parents)
-    embed = nn.Embed(
-        cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.dtype,
-        embedding_init=nn.initializers.normal(0.02), name="embed",
-    )
+    embed = Embed(cfg.vocab_size, cfg.d_model, cfg.dtype, cfg.weight_dtype,
+                  name="embed")
     x = embed(tokens)
     if cfg.embed_scale:
       # Rounded to the activation dtype first, as HF's Gemma does.
@@ -587,7 +664,7 @@ class Transformer(nn.Module):
       logits = embed.attend(x)
     else:
       logits = Linear(cfg.vocab_size, cfg.dtype, use_bias=False,
-                      name="lm_head")(x)
+                      weight_dtype=cfg.weight_dtype, name="lm_head")(x)
     logits = _softcap(logits.astype(jnp.float32), cfg.final_softcap)
     cache = KVCache(
         keys=tuple(keys), values=tuple(values), lengths=slots[:, -1] + 1
@@ -650,6 +727,21 @@ class Model:
       return cache
     return jax.lax.with_sharding_constraint(cache, self.cache_sharding)
 
+  def with_weight_dtype(self, weight_dtype: str | None) -> "Model":
+    """This model with its matmul weights stored in weight_dtype (None: the
+    activation dtype), e.g. a float32 checkpoint run with bfloat16 weights:
+    `load_hf(path).model.with_weight_dtype("bfloat16")`.
+
+    Only the matmul weights are cast (see `matmul` for what changes and
+    what speculative decoding then preserves); a sharded model keeps its
+    shardings. Casting to a narrower dtype loses precision that casting
+    back does not restore.
+    """
+    config = dataclasses.replace(self.config, weight_dtype=weight_dtype)
+    params = jax.tree.map(lambda x, wanted: x.astype(wanted.dtype),
+                          self.params, abstract_params(config))
+    return self.replace(config=config, params=params)
+
   @property
   def vocab_size(self) -> int:
     return self.config.vocab_size
@@ -698,6 +790,12 @@ class Model:
               else self.params["lm_head"]["kernel"])
     logits = jnp.einsum("...d,vd->...v", x, kernel.astype(x.dtype))
     return _softcap(logits.astype(jnp.float32), self.config.final_softcap)
+
+
+def abstract_params(config: TransformerConfig):
+  """The parameters of `config`'s model as ShapeDtypeStructs: the shape and
+  dtype each one has, without computing any."""
+  return jax.eval_shape(lambda: Model.init(config, jax.random.key(0))).params
 
 
 @jax.jit

@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spec_jax.model import KVCache, Model, TransformerConfig
+from spec_jax.model import KVCache, Model, TransformerConfig, abstract_params
 
 _log = logging.getLogger(__name__)
 
@@ -229,14 +229,10 @@ def to_layout(params, config: TransformerConfig, planned: TransformerConfig):
   return params
 
 
-def _abstract_params(config: TransformerConfig):
-  return jax.eval_shape(lambda: Model.init(config, jax.random.key(0))).params
-
-
 def _sharded(config, planned, mesh, replicate, make_params, *args):
   """Runs make_params(*args) -> params in `config`'s layout under one jit
   whose outputs are `planned`'s layout in its shardings."""
-  shardings = param_shardings(_abstract_params(planned), mesh, replicate)
+  shardings = param_shardings(abstract_params(planned), mesh, replicate)
   params = jax.jit(lambda *a: to_layout(make_params(*a), config, planned),
                    out_shardings=shardings)(*args)
   return Model(planned, params,
@@ -254,7 +250,7 @@ def init_model(config: TransformerConfig, key: jax.Array, mesh: Mesh,
 def _stored_shardings(config: TransformerConfig, mesh: Mesh, replicate: bool):
   """Shardings of params in `config`'s own (unpadded) layout: the planned
   rules, with a dimension the mesh does not divide replicated."""
-  stored = _abstract_params(config)
+  stored = abstract_params(config)
 
   def read_sharding(leaf, sharding):
     axes = [a if a is not None and size % mesh.shape[a] == 0 else None
@@ -276,7 +272,7 @@ def restore_targets(config: TransformerConfig, mesh: Mesh,
   check_model_axis(config, mesh, replicate, name)
   stored, shardings = _stored_shardings(config, mesh, replicate)
   return jax.tree.map(
-      lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, config.dtype,
+      lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                                   sharding=sharding),
       stored, shardings)
 

@@ -4,7 +4,7 @@ tests/test_sharding.py runs this in a subprocess, because the device count is
 fixed when JAX starts and the rest of the suite runs on one device:
 
   JAX_NUM_CPU_DEVICES=8 python tests/sharded_decode.py --meshes=2x4,1x8 \
-      --temperatures=0,1
+      --temperatures=0,1 [--weight_dtype=bfloat16]
 
 Prints one JSON line: per mesh and temperature, whether the tokens equal the
 one-device tokens, the target's param bytes, the shardings of its params and
@@ -60,6 +60,8 @@ def main():
   parser.add_argument("--meshes", default="2x4")
   parser.add_argument("--temperatures", default="0")
   parser.add_argument("--max_new_tokens", type=int, default=12)
+  # e.g. bfloat16: both models' matmul weights cast after loading.
+  parser.add_argument("--weight_dtype", default=None)
   args = parser.parse_args()
   assert jax.device_count() == 8, jax.device_count()
 
@@ -68,6 +70,9 @@ def main():
         pretrained.resolve("pretrained/target"), mesh, name="target")
     draft, _ = checkpoint.load_model(
         pretrained.resolve("pretrained/draft"), mesh, name="draft")
+    if args.weight_dtype:
+      target = target.with_weight_dtype(args.weight_dtype)
+      draft = draft.with_weight_dtype(args.weight_dtype)
     return target, draft, tokenizer
 
   target, draft, tokenizer = load()
@@ -99,6 +104,8 @@ def main():
                     for config in configs.values()]),
              "specs": dict(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(
                  x, tuple))),
+             "dtypes": sorted({x.dtype.name
+                               for x in jax.tree.leaves(target.params)}),
              "runs": {}}
     for t, config in configs.items():
       tokens, hlo = decode(target, draft, prompts, lengths, config, mesh)

@@ -335,7 +335,7 @@ def test_real_model_main_job_smoke_run(tmp_path):
                       f"--workdir={tmp_path}")
   assert result.returncode == 0, result.stderr[-3000:]
   (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
-  assert len(run["by_category"]) == 6
+  assert len(run["by_category"]) == 7
   assert run["samples"][0]["prompt"].startswith("<|im_start|>system")
   for sample in run["samples"]:
     assert sample["sd_tokens"] == sample["ar_tokens"]  # greedy

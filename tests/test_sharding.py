@@ -162,6 +162,14 @@ def test_mesh_2x4_gives_the_one_device_tokens_and_splits_the_params():
   assert specs["positions"] == "P(None, None)"
 
 
+@pytest.mark.slow  # the float32 test above covers the layout
+def test_bfloat16_weights_on_a_mesh_give_the_one_device_tokens():
+  report = run_with_8_devices("--meshes=2x4", "--temperatures=0,1",
+                              "--weight_dtype=bfloat16")
+  check_report(report, ["0", "1"])
+  assert report["2x4"]["dtypes"] == ["bfloat16", "float32"]
+
+
 @pytest.mark.slow
 def test_every_mesh_of_8_gives_the_one_device_tokens_greedy_and_sampled():
   # Keys are replicated and random bits do not depend on the sharding, so at

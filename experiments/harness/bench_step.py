@@ -21,6 +21,7 @@ import numpy as np
 
 from experiments.harness import compare, loading, timing
 from experiments.harness import config as config_lib
+from spec_jax.model import matmul
 from spec_jax.sampling import Sampling
 
 _log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def read_bandwidth(rounds: int) -> float:
 def _output_layer_steps(embedding, x, num_steps):
   """num_steps products of x [B, D] with the output layer [V, D]."""
   def step(_, x):
-    logits = x @ embedding.T
+    logits = matmul(x, embedding)  # as the model multiplies, in its dtypes
     # Feeding every logit back keeps the compiler from hoisting the product
     # or computing only part of it.
     return x + logits.sum(-1, keepdims=True) * 1e-9
@@ -68,7 +69,7 @@ def _timers(target, batch_size: int, gammas, max_len: int) -> dict:
         draft_tokens, draft_probs, None, key, sampling=sampling, depth=gamma)
   embedding = target.params.get("lm_head", target.params["embed"])
   embedding = embedding.get("kernel", embedding.get("embedding"))
-  x = jnp.ones((batch_size, target.config.d_model), embedding.dtype)
+  x = jnp.ones((batch_size, target.config.d_model), target.config.dtype)
   steps["output_layer"] = lambda n: _output_layer_steps(embedding, x, n)
   return steps
 
@@ -130,14 +131,14 @@ def bench_step(config: ml_collections.ConfigDict) -> dict:
 
 
 def format_table(report: dict) -> str:
-  lines = [f"{'model':<8} {'step ms':>7} {'/roof':>5} {'out ms':>6}  "
+  lines = [f"{'model':<12} {'step ms':>7} {'/roof':>5} {'out ms':>6}  "
            f"verify/step (b1)          verify/step (b8)          "
            f"{'AR tok/s':>8} {'SD tok/s':>8}"]
   for name, row in report["models"].items():
     ratios = lambda key: " ".join(  # pylint: disable=cell-var-from-loop
         f"{g}:{r:.2f}" for g, r in row.get(key, {}).items())
     lines.append(
-        f"{name:<8} {1e3 * row['step_s']:>7.1f} "
+        f"{name:<12} {1e3 * row['step_s']:>7.1f} "
         f"{row['step_over_roofline']:>5.2f} "
         f"{1e3 * row['output_layer_s']:>6.2f}  "
         f"{ratios('verify_over_step'):<25} "

@@ -19,6 +19,7 @@ from spec_jax.draft_tree import TreeTemplate
 from spec_jax.sampling import Sampling
 
 DRAFTERS = ("model", "ngram", "layer_skip", "eagle")
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 # config.verification -> the decode's rejection rule; one function object per
 # rule, so that equal configs compile once.
 RESAMPLERS = {"token": rejection.resample,
@@ -88,6 +89,11 @@ def base_config() -> ml_collections.ConfigDict:
   config.repeat_prompts = False
   # Wrap .jsonl questions in the target's own chat template.
   config.chat = False
+  # Dtype both models' matmul weights are stored in once loaded, e.g.
+  # "bfloat16": activations stay float32 and matmuls sum in float32, and the
+  # law SD preserves is then this model's (spec_jax.model.matmul). "" keeps
+  # the loaded dtype.
+  config.weight_dtype = ""
   config.seed = 0
   # Device mesh: data x model must equal the device count; -1 fills one axis.
   # Batch rows are split over data, heads / MLP / vocab over model (see
@@ -159,6 +165,15 @@ def chains(config: ml_collections.ConfigDict) -> tuple[int, ...]:
   return values
 
 
+def batch_sizes(config: ml_collections.ConfigDict) -> tuple[int, ...]:
+  """config.batch_sizes (the batch-scaling ablation's) as ints >= 1."""
+  values = _ints(config.batch_sizes, "batch_sizes")
+  if min(values) < 1:
+    raise ValueError(f"batch_sizes={config.batch_sizes!r}: give batch sizes "
+                     ">= 1, e.g. --config.batch_sizes=1,8,32.")
+  return values
+
+
 def tree(config: ml_collections.ConfigDict) -> tuple[int, ...]:
   """config.tree as ints; () for a chain."""
   return _ints(config.tree, "tree") if config.get("tree") else ()
@@ -187,10 +202,15 @@ def check(config: ml_collections.ConfigDict) -> None:
     TreeTemplate(tree(config))
   for temperature in temperatures(config):
     sampling(config, temperature)
+  if config.get("weight_dtype") not in ("", None, *WEIGHT_DTYPES):
+    raise ValueError(f"weight_dtype={config.weight_dtype!r}: choose one of "
+                     f"{WEIGHT_DTYPES}, or '' for the loaded dtype.")
   if "gammas" in config:
     gammas(config)
   if "chains" in config:
     chains(config)
+  if "batch_sizes" in config:
+    batch_sizes(config)
   if "gamma" in config:
     DecodeConfig(gamma=config.gamma, max_new_tokens=config.max_new_tokens,
                  verify_buckets=config.verify_buckets)

@@ -141,7 +141,21 @@ def load_models(config: ml_collections.ConfigDict, mesh=None) -> Loaded:
     draft = draft.model
   else:
     target, draft = load(config.target, mesh, name="target"), None
+  target, draft = with_weight_dtype(config, target, draft)
   return Loaded(target, make_drafter(config, target.model, draft))
+
+
+def with_weight_dtype(config: ml_collections.ConfigDict, target: ModelBundle,
+                      draft) -> tuple[ModelBundle, object]:
+  """The target bundle and the draft model (or None) with their matmul
+  weights in config.weight_dtype; as loaded when it is ""."""
+  if not config.get("weight_dtype"):
+    return target, draft
+  target = dataclasses.replace(
+      target, model=target.model.with_weight_dtype(config.weight_dtype))
+  if draft is not None:
+    draft = draft.with_weight_dtype(config.weight_dtype)
+  return target, draft
 
 
 @dataclasses.dataclass(frozen=True)

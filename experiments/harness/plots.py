@@ -1,4 +1,5 @@
-"""Figures of a gamma sweep (the dict `sweep.gamma_sweep` returns).
+"""Figures of the ablations: a gamma sweep (the dict `sweep.gamma_sweep`
+returns), drafters, categories, trees and batch scaling.
 
 Figures are built without pyplot, so nothing depends on a global backend: a
 script saves them as PNG, a notebook displays the returned objects.
@@ -136,6 +137,55 @@ def tree_ablation_figure(rows) -> Figure:
                    {r["shape"]: r["flat_verify_speedup"] for r in at}, None))
   return _speedup_bars(list(dict.fromkeys(r["shape"] for r in rows)), series,
                        "Trees against chains: speedup over autoregressive")
+
+
+def batch_scaling_figure(rows) -> Figure:
+  """Against batch size, per temperature: speedup measured and predicted
+  (the i.i.d. model at the measured alpha, c and verify cost; dotted, the
+  runs' work priced at the component times), tau and the AR steps each SD
+  loop cycle replaced, and verify / step beside gamma + 1 and the break-even
+  verify cost above which SD is slower than AR."""
+  figure = Figure(figsize=(13, 4), layout="constrained")
+  speedup, tau, verify = figure.subplots(1, 3)
+  groups = {}
+  for row in sorted(rows, key=lambda r: r["batch_size"]):
+    groups.setdefault(row["temperature"], []).append(row)
+  for index, (temperature, group) in enumerate(groups.items()):
+    color, label = f"C{index}", f"T={temperature:g}"
+    sizes = [r["batch_size"] for r in group]
+    column = lambda key, group=group: [r[key] for r in group]
+    speedup.plot(sizes, column("speedup"), "o-", color=color,
+                 label=f"{label} measured")
+    speedup.plot(sizes, column("predicted_speedup_iid"), "s--", color=color,
+                 alpha=0.7, label=f"{label} predicted")
+    speedup.plot(sizes, column("predicted_speedup"), ":", color=color,
+                 alpha=0.7, label=f"{label} work priced")
+    tau.plot(sizes, column("tokens_per_cycle"), "o-", color=color,
+             label=f"{label} tau measured")
+    tau.plot(sizes, column("predicted_tokens_per_cycle_iid"), "s--",
+             color=color, alpha=0.7, label=f"{label} tau i.i.d. at alpha")
+    tau.plot(sizes, column("ar_steps_per_sd_cycle"), "v:", color=color,
+             alpha=0.7, label=f"{label} AR steps per SD cycle")
+    verify.plot(sizes, column("verify_cost_ratio"), "o-", color=color,
+                label=f"{label} verify / step")
+    verify.plot(sizes, column("break_even_verify_cost"), "^--", color=color,
+                alpha=0.7, label=f"{label} break-even")
+  gamma = rows[0]["gamma"]
+  verify.axhline(gamma + 1, color="gray", lw=0.8, ls="--",
+                 label=f"gamma + 1 = {gamma + 1}")
+  speedup.axhline(1.0, color="gray", lw=0.8)
+  speedup.set(title="Speedup over autoregressive decoding",
+              ylabel="speedup (x)")
+  tau.set(title="Tokens per cycle", ylabel="tokens (AR steps) per cycle")
+  verify.set(title="Verify cost in target steps", ylabel="target steps")
+  for axes in (speedup, tau, verify):
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(sorted({r["batch_size"] for r in rows}),
+                    [str(b) for b in sorted({r["batch_size"] for r in rows})])
+    axes.set_xlabel(f"batch size (gamma {gamma})")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=7)
+  return figure
 
 
 FIGURES = {

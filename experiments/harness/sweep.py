@@ -53,9 +53,10 @@ def _predictions(run: dict, parts: dict) -> dict:
   }
 
 
-def _row(run: dict, parts: dict, ar_seconds: float) -> dict:
+def row_of(run: dict, parts: dict, ar_seconds: float) -> dict:
   """One sweep row from a `compare` RUN, the component times and the AR time
-  pooled over the temperature's rows."""
+  (pooled over the temperature's rows in the sweep): measured tau and
+  speedup beside their predictions."""
   gamma, sd = run["gamma"], run["sd"]
   alpha = sd["mean_overlap"]
   ar_tokens_per_s = run["ar"]["new_tokens"] / ar_seconds
@@ -111,11 +112,14 @@ def _best(rows: list[dict], key: str) -> dict:
 
 def measure_row(config, gamma: int, temperature: float,
                 loaded: loading.Loaded, prompts, width: int, max_len: int,
-                target_timer: timing.TargetTimer) -> tuple[dict, dict]:
+                target_timer: timing.TargetTimer, target_every: int = 4,
+                min_rounds: int = 0) -> tuple[dict, dict]:
   """One row's `compare_at` RUN and its cycle's component times, timed in
   rounds between the AR and SD runs' batches, so that a slow spell of the
   machine hits both sides of the comparison alike. The target's timer,
-  pooled over the rows, gets a round every fourth batch."""
+  pooled over the rows, gets a round every `target_every`th batch. A row of
+  few batches (a large batch size) gets more rounds of both timers after its
+  runs, up to `min_rounds`."""
   decode_config = config_lib.decode_config(config, temperature, gamma=gamma)
   # The cycle's timer compiles on one core while the comparison compiles the
   # decode loop on the other.
@@ -124,9 +128,15 @@ def measure_row(config, gamma: int, temperature: float,
                           loaded.drafter, config.batch_size, width, max_len,
                           decode_config)
     cycle_timer = timing.Deferred(pending)
+    # The cycle's timer first: its first round waits for it to compile, so
+    # that no other timer runs beside the compilation.
     run = compare.compare_at(
         config, loaded, prompts, temperature, gamma=gamma,
-        timers=(timing.EveryNth(target_timer, 4), cycle_timer))
+        timers=(cycle_timer, timing.EveryNth(target_timer, target_every)))
+    # compare_at timed a round before its first batch and after each one.
+    for _ in range(min_rounds - run["num_batches"] - 1):
+      target_timer.time_round()
+      cycle_timer.time_round()
   return run, pending.result().seconds()
 
 
@@ -169,7 +179,7 @@ def gamma_sweep(config: ml_collections.ConfigDict, loaded: loading.Loaded,
           run["speedup"], elapsed, elapsed / done * (total - done))
     ar_seconds = float(np.median([run["ar"]["wall_s"] for run, _ in runs]))
     target_parts = target_timer.seconds()
-    rows.extend(_row(run, {**parts, **target_parts}, ar_seconds)
+    rows.extend(row_of(run, {**parts, **target_parts}, ar_seconds)
                 for run, parts in runs)
   return {"rows": rows,
           "best_gamma_measured": _best(rows, "speedup"),
