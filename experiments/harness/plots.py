@@ -1,5 +1,6 @@
 """Figures of the ablations: a gamma sweep (the dict `sweep.gamma_sweep`
-returns), drafters, categories, trees and batch scaling.
+returns), drafters, categories, trees, batch scaling and an EAGLE head's
+learning curve.
 
 Figures are built without pyplot, so nothing depends on a global backend: a
 script saves them as PNG, a notebook displays the returned objects.
@@ -193,6 +194,23 @@ FIGURES = {
     "speedup.png": speedup_figure,
     "acceptance_by_position.png": acceptance_by_position_figure,
 }
+
+
+def learning_curve_figure(records) -> Figure:
+  """An EAGLE head's held-out greedy acceptance of each draft (training-time
+  test step) against the training tokens seen, from learning_curve.json."""
+  figure = Figure(figsize=(6, 4), layout="constrained")
+  axes = figure.add_subplot()
+  tokens = [r["tokens_seen"] for r in records]
+  for step in range(len(records[0]["top1"])):
+    axes.plot(tokens, [r["top1"][step] for r in records], "o-",
+              label=f"draft {step + 1}")
+  axes.set(title="EAGLE head: held-out greedy acceptance",
+           xlabel="training tokens seen", ylabel="P(draft = target argmax)",
+           ylim=(0, 1))
+  axes.grid(alpha=0.3)
+  axes.legend()
+  return figure
 
 
 def save_figures(rows, directory: str, figures=None) -> list[str]:

@@ -6,7 +6,8 @@
                (eagle_data.FeatureCache);
   3. training  training-time test (spec_jax.eagle_training) with optax and
                orbax checkpoints; the held-out greedy acceptance by draft
-               position is logged and written to learning_curve.json;
+               position is logged and written to learning_curve.json (and
+               learning_curve.png at the end);
   4. the head  written to workdir/head (spec_jax.eagle.save_head), which
                `--config.drafter=eagle --config.eagle=DIR/head` loads.
 
@@ -26,7 +27,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from experiments.harness import eagle_data, loading, records
+from experiments.harness import eagle_data, loading, plots, records
 from experiments.harness.train import make_optimizer
 from spec_jax import eagle, eagle_training
 from spec_jax.bundle import ModelBundle
@@ -41,10 +42,15 @@ def sequences(config: ml_collections.ConfigDict, bundle: ModelBundle,
                                        config.seq_len, config.seed,
                                        config.corpus)
   if config.data == "self_distill":
-    requests = eagle_data.instructions(config.num_sequences, config.seed,
-                                       config.corpus)
+    if bundle.chat_template is not None:
+      prompts = eagle_data.chat_prompts(bundle, eagle_data.instructions(
+          config.num_sequences, config.seed, config.corpus))
+    else:  # a base model continues text of the corpus
+      prompts = eagle_data.corpus_prompts(
+          bundle.tokenizer, config.num_sequences, config.prompt_tokens,
+          config.seed, config.corpus)
     return eagle_data.self_distill(
-        bundle, requests, workdir / "replies",
+        bundle, prompts, workdir / "replies",
         max_new_tokens=config.max_new_tokens,
         batch_size=config.generate_batch_size,
         temperature=config.generate_temperature, seed=config.seed)
@@ -130,7 +136,8 @@ def train(config: ml_collections.ConfigDict, workdir) -> eagle.EagleDrafter:
                 head_config, vocab_ids).describe())
 
   optimizer = make_optimizer(config)
-  params = eagle.init_params(head_config, jax.random.key(config.seed))
+  params = eagle.init_params(head_config, jax.random.key(config.seed), target,
+                             vocab_ids)
   state = {"params": params, "opt_state": optimizer.init(params),
            "seconds": np.zeros((), np.float64)}
   manager = ocp.CheckpointManager(
@@ -153,6 +160,7 @@ def train(config: ml_collections.ConfigDict, workdir) -> eagle.EagleDrafter:
         cache.batch(rows), vocab_ids, optimizer, config.ttt_steps)
     done = step + 1
     if done % config.log_every == 0 or done == config.num_steps:
+      jax.block_until_ready(metrics)  # steps run ahead of Python otherwise
       elapsed = time.perf_counter() - clock
       seconds += elapsed
       rate = (done - last) / elapsed
@@ -175,6 +183,7 @@ def train(config: ml_collections.ConfigDict, workdir) -> eagle.EagleDrafter:
                 "acceptance by draft %s  (tau at gamma 4 about %.2f)", done,
                 record["tokens_seen"], np.round(loss, 3), np.round(top1, 3),
                 record["greedy_tau_gamma4"])
+      clock = time.perf_counter()  # train_hours and tokens/s leave it out
     manager.save(done, args=ocp.args.StandardSave(state))
   manager.wait_until_finished()
 
@@ -188,5 +197,8 @@ def train(config: ml_collections.ConfigDict, workdir) -> eagle.EagleDrafter:
               "config": config.to_dict()}
   eagle.save_head(workdir / "head", drafter, metadata,
                   config.storage_dtype or None)
+  if curve.records:
+    plots.save_figures(curve.records, str(workdir),
+                       {"learning_curve.png": plots.learning_curve_figure})
   _log.info("wrote %s", workdir / "head")
   return drafter
