@@ -4,7 +4,8 @@
 
 Each variant is the main job's config (configs/quickstart.py) with a few
 fields overridden, run on the same held-out prompts at every temperature.
-Writes drafters.json and drafters.png. `smollm2` compares prompt lookup,
+Writes drafters.json and drafters.png. `eagle` runs one variant of each kind
+of drafter (--config=configs/compare_drafters.py:eagle). `smollm2` compares prompt lookup,
 layer skip and the EAGLE head on SmolLM2-135M-Instruct's chat prompts
 (--config=configs/compare_drafters.py:smollm2). Smoke run:
 --config=configs/compare_drafters.py:runlocal
@@ -36,7 +37,13 @@ def get_config(arg=None):
   # Runs of AR and SD over all the prompts, taking turns batch by batch; the
   # median time counts.
   config.timing_repeats = 3
-  if arg == "smollm2":
+  if arg == "eagle":
+    # The EAGLE head against the other kinds of drafter, one variant each.
+    config.variants = {
+        name: variants[name] for name in (
+            "draft model, gamma 8", "prompt lookup",
+            "layer skip, 1 of 6 layers", "EAGLE head, gamma 6")}
+  elif arg == "smollm2":
     # SmolLM2-135M-Instruct on two chat prompts per category (no draft model
     # shares its vocabulary offline).
     config.update(smollm2.get_config().to_dict())
@@ -48,7 +55,7 @@ def get_config(arg=None):
         "layer skip, 24 of 30 layers": dict(
             drafter="layer_skip", gamma=4, layer_skip=dict(num_layers=24)),
         "EAGLE head, gamma 5": dict(drafter="eagle", gamma=5,
-                                    eagle="pretrained/eagle_smollm2"),
+                                    eagle="/tmp/eagle/smollm2/head"),
     }
   elif arg == "runlocal":
     config.variants = {

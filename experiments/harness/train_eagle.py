@@ -28,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from experiments.harness import eagle_data, loading, plots, records
-from experiments.harness.train import make_optimizer
+from experiments.harness.train import make_optimizer, resume
 from spec_jax import eagle, eagle_training
 from spec_jax.bundle import ModelBundle
 
@@ -140,14 +140,7 @@ def train(config: ml_collections.ConfigDict, workdir) -> eagle.EagleDrafter:
                              vocab_ids)
   state = {"params": params, "opt_state": optimizer.init(params),
            "seconds": np.zeros((), np.float64)}
-  manager = ocp.CheckpointManager(
-      workdir / "checkpoints",
-      options=ocp.CheckpointManagerOptions(
-          max_to_keep=2, save_interval_steps=config.checkpoint_every))
-  start = manager.latest_step() or 0
-  if start:
-    state = manager.restore(start, args=ocp.args.StandardRestore(state))
-    _log.info("resumed from step %d", start)
+  manager, start, state = resume(workdir, config.checkpoint_every, state)
   curve = _Curve(workdir / "learning_curve.json", start)
   clock, last = time.perf_counter(), start
   seconds = float(state["seconds"])
