@@ -168,11 +168,8 @@ def init_params(config: EagleConfig, key: jax.Array,
   params = {**params, "norm": jax.tree.map(
       lambda x: jnp.asarray(x, block.dtype), target.params["ln_final"])}
   if config.reduced_vocab:
-    kernel = (target.params["embed"]["embedding"]
-              if target.config.tie_embeddings
-              else target.params["lm_head"]["kernel"])
-    params["output"] = {"kernel": jnp.asarray(kernel[vocab_ids],
-                                              block.dtype)}
+    params["output"] = {"kernel": jnp.asarray(
+        target.output_kernel[vocab_ids], block.dtype)}
   return params
 
 

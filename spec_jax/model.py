@@ -785,12 +785,17 @@ class Model:
       x = x * jnp.asarray(math.sqrt(self.config.d_model), dtype)
     return x
 
+  @property
+  def output_kernel(self) -> jax.Array:
+    """[V, D] the output layer's weights: the embedding table when tied."""
+    if self.config.tie_embeddings:
+      return self.params["embed"]["embedding"]
+    return self.params["lm_head"]["kernel"]
+
   def unembed(self, x: jax.Array) -> jax.Array:
     """float32 logits [..., V] of final-normed states x [..., D]: the output
     layer alone (tied or not, soft-capped as the model's)."""
-    kernel = (self.params["embed"]["embedding"] if self.config.tie_embeddings
-              else self.params["lm_head"]["kernel"])
-    logits = matmul(x, kernel)
+    logits = matmul(x, self.output_kernel)
     return _softcap(logits.astype(jnp.float32), self.config.final_softcap)
 
 

@@ -67,8 +67,7 @@ def _timers(target, batch_size: int, gammas, max_len: int) -> dict:
     steps[f"verify_{gamma}"] = functools.partial(
         timing._verify_steps, target, cache, tokens, lengths,  # pylint: disable=protected-access
         draft_tokens, draft_probs, None, key, sampling=sampling, depth=gamma)
-  embedding = target.params.get("lm_head", target.params["embed"])
-  embedding = embedding.get("kernel", embedding.get("embedding"))
+  embedding = target.output_kernel
   x = jnp.ones((batch_size, target.config.d_model), target.config.dtype)
   steps["output_layer"] = lambda n: _output_layer_steps(embedding, x, n)
   return steps
