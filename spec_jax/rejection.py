@@ -98,7 +98,7 @@ def resample(
     return block_verification.resample_block(key, draft_tokens, draft_probs,
                                              target_probs)
   gamma = draft_tokens.shape[-1]
-  target_argmax = jnp.argmax(target_probs, -1).astype(jnp.int32)  # [B, G+1]
+  target_argmax = sampling.argmax(target_probs)  # [B, G+1]
   if greedy:
     proposed = draft_token_probs(draft_tokens, draft_probs) > 0
     accepted = (draft_tokens == target_argmax[:, :gamma]) & proposed

@@ -47,7 +47,7 @@ class Sampling:
     """float32 distribution [..., V] from logits [..., V] of any dtype."""
     logits = logits.astype(jnp.float32)
     if self.greedy:
-      return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1])
+      return jax.nn.one_hot(argmax(logits), logits.shape[-1])
     logits = logits / self.temperature
     if self.top_k:
       kth_largest = jax.lax.top_k(logits, self.top_k)[0][..., -1:]
@@ -68,8 +68,24 @@ class Sampling:
   def sample(self, key: jax.Array, probs: jax.Array) -> jax.Array:
     """int32 tokens [...] drawn from probs [..., V] (argmax when greedy)."""
     if self.greedy:
-      return jnp.argmax(probs, -1).astype(jnp.int32)
+      return argmax(probs)
     return categorical(key, probs)
+
+
+def argmax(x: jax.Array) -> jax.Array:
+  """int32 index [...] of the first maximum of x [..., V], as jnp.argmax
+  (a NaN counts as the maximum).
+
+  Written as plain reductions (the max, then the smallest index that
+  attains it), which XLA:CPU vectorises, where jnp.argmax's (value, index)
+  pair reduction does not: over [7, 49152] on CPU, 0.36 ms against 0.9, paid
+  once per target step or verify.
+  """
+  index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+  is_nan = jnp.isnan(x)
+  is_max = jnp.where(is_nan.any(-1, keepdims=True), is_nan,
+                     x == jnp.max(x, -1, keepdims=True))
+  return jnp.min(jnp.where(is_max, index, x.shape[-1]), -1)
 
 
 def categorical(key: jax.Array, probs: jax.Array) -> jax.Array:

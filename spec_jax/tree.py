@@ -77,7 +77,7 @@ def _resample_row(key, tree_tokens, parents, draft_probs, target_probs, depth,
     i, token, parent, u = node
     is_child = parent + 1 == context
     if greedy:  # r stays p_context: at T = 0 nothing is left to correct.
-      accepted = is_child & (token == jnp.argmax(r))
+      accepted = is_child & (token == sampling.argmax(r))
       r_rejected, s_rejected = r, s
     else:
       s_token = s[token]
@@ -106,7 +106,7 @@ def _resample_row(key, tree_tokens, parents, draft_probs, target_probs, depth,
 
   # r is the residual at the last context, or p there when it is a leaf.
   if greedy:
-    next_token = jnp.argmax(r).astype(jnp.int32)
+    next_token = sampling.argmax(r)
   else:
     next_token = sampling.categorical(emit_key, r)
   path_tokens = tree_tokens[jnp.maximum(path, 0)]  # [D]

@@ -55,3 +55,12 @@ def test_temperature_sharpens():
 def test_bad_settings_raise(kwargs, message):
   with pytest.raises(ValueError, match=message):
     sj.Sampling(**kwargs)
+
+
+def test_argmax_matches_jnp_argmax_with_ties_and_nan():
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 4, (64, 7, 50)).astype(np.float32)  # many ties
+  x[3, 2, 10] = np.nan
+  x[5, 0, [4, 9]] = np.nan
+  np.testing.assert_array_equal(sj.sampling.argmax(jnp.asarray(x)),
+                                jnp.argmax(jnp.asarray(x), -1))

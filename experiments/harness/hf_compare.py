@@ -128,17 +128,25 @@ class _Decoders:
       counter.count = 0
     self.sd_stats.clear()
 
-  def measure(self, name: str, batches) -> tuple[dict, list]:
-    """(result record, outputs) of one decoder over the batches, after a
-    warm-up call, which compiles the spec_jax programs."""
+  def measure(self, name: str, batches, repeats: int = 1
+              ) -> tuple[dict, list]:
+    """(result record, outputs) of one decoder over the batches: the median
+    over `repeats` of its time for all of them, after a warm-up call, which
+    compiles the spec_jax programs. The warm-up is waited for: JAX dispatches
+    asynchronously, so an unfinished warm-up would run inside the first
+    timed call. Counts and outputs are the last repeat's."""
     decode = self.decoders[name]
-    decode(batches[0])
-    self.reset()
-    outputs, seconds = [], 0.0
-    for batch in batches:
-      tokens, elapsed = timing.timed(decode, batch)
-      outputs.append(np.asarray(tokens))
-      seconds += elapsed
+    timing.timed(decode, batches[0])
+    totals = []
+    for _ in range(repeats):
+      self.reset()
+      outputs = []
+      totals.append(0.0)
+      for batch in batches:
+        tokens, elapsed = timing.timed(decode, batch)
+        outputs.append(np.asarray(tokens))
+        totals[-1] += elapsed
+    seconds = float(np.median(totals))
     new_tokens = sum(o.size for o in outputs)
     result = {"tokens_per_s": new_tokens / seconds, "wall_s": seconds,
               "new_tokens": new_tokens}
@@ -176,7 +184,8 @@ def _row(models, counters, config, temperature: float, batch_size: int,
   outputs = {}
   for name in decoders.decoders:
     try:
-      row[name], outputs[name] = decoders.measure(name, batches)
+      row[name], outputs[name] = decoders.measure(
+          name, batches, config.timing_repeats)
     except ValueError as error:  # HF assisted refuses batch > 1.
       row[name] = {"error": str(error)}
       _log.info("T=%g B=%d %s: %s", temperature, batch_size, name, error)
