@@ -30,7 +30,14 @@ def get_config(arg=None):
   # No draft model shares SmolLM2's vocabulary offline; prompt lookup needs
   # none (see the README's real-model section).
   config.drafter = "ngram"
-  config.gamma = 4
+  # A verify of 7 tokens costs about 2 target steps here, so a proposal must
+  # be accepted about one draft on average to pay. Replayed on SmolLM2's
+  # greedy replies (configs/lookup_replay.py), a one-token match was accepted
+  # 0.5 drafts on average, a two-token one 1.6, three or more 2.4-3.4: only
+  # matches of 3+ tokens are proposed, up to 6 drafts.
+  config.gamma = 6
+  config.ngram.max_n = 4
+  config.ngram.min_n = 3
   config.temperatures = (0.0,)
   config.prompts_file = str(PROMPTS / "categories.jsonl")
   config.chat = True
