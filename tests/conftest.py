@@ -7,6 +7,7 @@ import pytest
 from scipy import stats
 
 import spec_jax as sj
+from spec_jax import decoding
 
 
 def tiny_pair(vocab_size=16, max_len=64, sharpness=12.0, draft_noise=0.2,
@@ -40,6 +41,20 @@ def _perturb(params, key, scale):
       x + scale * jnp.std(x) * jax.random.normal(k, x.shape)
       for x, k in zip(leaves, keys)
   ])
+
+
+def loop_cycles(target, drafter, prompts, config, num_cycles=3, seed=2):
+  """The decode loop's own step run num_cycles times from the prefilled
+  state of the prompts: yields each state and each row's advance [B]."""
+  padded, lengths = map(jnp.asarray, sj.pad_prompts(prompts))
+  state = decoding._initial_state(  # pylint: disable=protected-access
+      jax.random.key(seed), target, drafter, padded, lengths, config)
+  step = jax.jit(decoding._speculative_step,  # pylint: disable=protected-access
+                 static_argnames="config")
+  for _ in range(num_cycles):
+    before = state.lengths
+    state = step(state, target, drafter, lengths, config)
+    yield state, np.asarray(state.lengths - before)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -17,7 +17,7 @@ import pytest
 
 import spec_jax as sj
 from spec_jax import decoding, eagle, eagle_training
-from conftest import tiny_pair
+from conftest import loop_cycles, tiny_pair
 from test_law_monte_carlo import (  # pylint: disable=unused-import
     NUM_NEW, SIGNIFICANCE, VOCAB, chi_square_p_value, exact_law, pair8,
     sampled_counts)
@@ -179,17 +179,11 @@ def assert_state_from_scratch(state, drafter, target):
 @pytest.mark.parametrize("resample", [accept_all, reject_all, sj.resample])
 def test_head_state_equals_a_prefill_after_every_cycle(target, head,
                                                        resample):
-  padded, lengths = map(jnp.asarray, sj.pad_prompts(PROMPTS))
   config = sj.DecodeConfig(gamma=3, max_new_tokens=MAX_NEW, resample=resample,
                            sampling=sj.Sampling(temperature=1.0))
-  state = decoding._initial_state(jax.random.key(2), target, head, padded,
-                                  lengths, config)
-  step = jax.jit(decoding._speculative_step, static_argnames="config")
   advances = set()
-  for _ in range(3):
-    before = state.lengths
-    state = step(state, target, head, lengths, config)
-    advances |= set(np.asarray(state.lengths - before).tolist())
+  for state, advance in loop_cycles(target, head, PROMPTS, config):
+    advances |= set(advance.tolist())
     assert_state_from_scratch(state, head, target)
   if resample is accept_all:
     assert advances == {4}

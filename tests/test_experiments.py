@@ -357,3 +357,20 @@ def test_bench_step_smoke_run_writes_the_json_other_checks_read(tmp_path):
   assert set(row["verify_over_step"]) == {"1", "2"}
   assert all(r > 0 for r in row["verify_over_step"].values())
   assert set(row["verify_over_step_batch2"]) == {"1", "2"}
+
+
+def test_lookup_replay_smoke_run(tmp_path):
+  result = run_module("experiments.lookup_replay",
+                      "--config=configs/lookup_replay.py:runlocal",
+                      f"--workdir={tmp_path}",
+                      "--config.bench_step=docs/results/bench_step.json",
+                      "--config.bench_model=builtin")
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads((tmp_path / "lookup_replay.json").read_text())
+  assert [(s["gamma"], s["max_n"], s["min_n"]) for s in report["settings"]] == [
+      (4, 3, 1), (4, 3, 2)]
+  for setting in report["settings"]:
+    summary = setting["all"]
+    assert summary["tokens"] == 2 * 16  # every greedy token, 2 prompts
+    assert summary["predicted_speedup"] <= summary["copy_bound_speedup"]
+  assert "gamma max_n min_n" in result.stdout

@@ -20,14 +20,14 @@ def test_replay_by_hand():
   # no earlier copy: plain steps. Then "9" recurs and proposes what followed
   # it, 5 9; the target emits 5 8: one accepted.
   assert lookup_replay.replay_row(prompt, output, gamma=4, max_n=2,
-                                  min_n=1) == [(2, 4, 2), (0, 0, 0),
-                                               (0, 0, 0), (1, 2, 1)]
+                                  min_n=1) == [(2, 4, 2, 3), (0, 0, 0, 1),
+                                               (0, 0, 0, 1), (1, 2, 1, 2)]
   # With min_n = 2 the one-token match proposes nothing; later "9 5"
   # recurs, proposes 9 5 (all that is known after it), and the 8 rejects it.
   assert lookup_replay.replay_row(prompt, output, gamma=4, max_n=2,
-                                  min_n=2) == [(2, 4, 2), (0, 0, 0),
-                                               (0, 0, 0), (0, 0, 0),
-                                               (2, 2, 0)]
+                                  min_n=2) == [(2, 4, 2, 3), (0, 0, 0, 1),
+                                               (0, 0, 0, 1), (0, 0, 0, 1),
+                                               (2, 2, 0, 1)]
 
 
 @pytest.mark.parametrize("gamma,max_n,min_n", [(4, 3, 1), (3, 2, 2)])
@@ -50,6 +50,7 @@ def test_replay_reproduces_the_decode_loop(gamma, max_n, min_n):
                                                min_n))
     stats = sd.stats.summary()
     assert len(cycles) == stats["row_cycles"]
+    assert cycles[:, 3].sum() == len(output)
     assert cycles[:, 1].sum() == stats["drafted"]
     assert cycles[:, 2].sum() == stats["accepted"]
     assert (cycles[:, 1] == 0).sum() == stats["width_cycles"][0]
@@ -61,7 +62,7 @@ def test_costs_prediction_and_bound():
   # Two gamma-4 cycles: one accepts 2 drafts (3 tokens), one is a plain
   # step (1 token). Predicted: 4 tokens for 2.0 + 1.0 steps; the bound
   # verifies only the 2 accepted drafts: 1.75 + 1.0.
-  summary = lookup_replay.summarize([(2, 4, 2), (0, 0, 0)], 4,
+  summary = lookup_replay.summarize([(2, 4, 2, 3), (0, 0, 0, 1)], 4,
                                     {"1": 1.5, "2": 1.75, "4": 2.0, "8": 3.0})
   assert summary["tokens"] == 4 and summary["plain_step_share"] == 0.5
   assert summary["predicted_speedup"] == pytest.approx(4 / 3.0)

@@ -36,11 +36,13 @@ def test_round_timer_keeps_the_median_not_the_mean():
 
 def test_context_cache_holds_the_context_keys():
   target, _ = tiny_pair()
-  tokens, lengths, full, cache = timing._context(target, 2, 40)
+  tokens, lengths, full, cache, hidden = timing._context(target, 2, 40, (0, 2))
   assert tokens.shape == (2, 40) and (full == 40).all()
   assert (cache.lengths == lengths - 1).all()
   # Every slot holds keys: attention then costs what it does mid-decode.
   assert (jnp.abs(cache.keys[0]).sum(-1) > 0).all()
+  # The hidden states of the same pass, for feature-reading drafters.
+  assert [h.shape for h in hidden] == [(2, 40, target.config.d_model)] * 2
 
 
 @pytest.mark.slow  # compiles four loops; the sweep smoke run uses both timers

@@ -18,6 +18,7 @@ import pytest
 import spec_jax as sj
 from spec_jax import decoding, tree
 # eos_id and pair8 are fixtures, used by name.
+from conftest import loop_cycles
 from test_decoding import MAX_NEW, PROMPTS, eos_id  # pylint: disable=unused-import
 from test_law_monte_carlo import (  # pylint: disable=unused-import
     NUM_NEW, SIGNIFICANCE, chi_square_p_value, exact_law, pair8,
@@ -186,18 +187,12 @@ def test_loop_caches_equal_a_prefill_after_every_cycle(pair):
   draft's at every slot but the last two (as a chain draft's), while rows
   accept paths of different lengths."""
   target, draft = pair
-  padded, lengths = map(jnp.asarray, sj.pad_prompts(PROMPTS))
   drafter = sj.TreeDrafter(draft, (3, 2, 1, 1))
   config = sj.DecodeConfig(max_new_tokens=MAX_NEW,
                            sampling=sj.Sampling(temperature=1.0))
-  state = decoding._initial_state(jax.random.key(2), target, drafter, padded,
-                                  lengths, config)
-  step = jax.jit(decoding._speculative_step, static_argnames="config")
   advances = set()
-  for _ in range(3):
-    before = state.lengths
-    state = step(state, target, drafter, lengths, config)
-    advances |= set(np.asarray(state.lengths - before).tolist())
+  for state, advance in loop_cycles(target, drafter, PROMPTS, config):
+    advances |= set(advance.tolist())
     width = state.tokens.shape[1]
     assert_prefix_equal(state.target_cache,
                         target.prefill(state.tokens, state.lengths, width),

@@ -58,7 +58,7 @@ def _timers(target, batch_size: int, gammas, max_len: int) -> dict:
   layer, at one batch size, over a filled cache."""
   sampling = Sampling(temperature=0.0)
   key = jax.random.key(0)
-  tokens, lengths, _, cache = timing._context(target, batch_size, max_len)  # pylint: disable=protected-access
+  tokens, lengths, _, cache, _ = timing._context(target, batch_size, max_len)  # pylint: disable=protected-access
   steps = {"step": lambda n: timing._decode_steps(  # pylint: disable=protected-access
       target, cache, tokens[:, 0], key, n, sampling)}
   for gamma in gammas:

@@ -39,13 +39,13 @@ def _lookups(sequence: jax.Array, lengths: jax.Array, gamma: int, n: int):
 
 
 def replay_row(prompt: list[int], output: list[int], gamma: int, max_n: int,
-               min_n: int) -> list[tuple[int, int, int]]:
+               min_n: int) -> list[tuple[int, int, int, int]]:
   """The cycles of prompt lookup on one row whose greedy output is known.
 
-  Returns one (n, proposed, accepted) per cycle: the length of the n-gram
-  that matched (0: none, the cycle is a plain target step), the drafts
-  proposed, and how many of them the target's argmax accepts. Each cycle
-  emits accepted + 1 tokens (fewer at the end of the output).
+  Returns one (n, proposed, accepted, emitted) per cycle: the length of the
+  n-gram that matched (0: none, the cycle is a plain target step), the
+  drafts proposed, how many of them the target's argmax accepts, and the
+  tokens the cycle emits (accepted + 1, fewer at the end of the output).
   """
   sequence = np.asarray(prompt + output, np.int32)
   # Every cycle starts at some prefix length: look them all up at once.
@@ -65,8 +65,9 @@ def replay_row(prompt: list[int], output: list[int], gamma: int, max_n: int,
     upcoming = sequence[length:length + len(draft)]
     agree = draft[:len(upcoming)] == upcoming
     accepted = len(agree) if agree.all() else int(np.argmin(agree))
-    cycles.append((matched, len(draft), accepted))
-    length += accepted + 1
+    emitted = min(accepted + 1, len(sequence) - length)
+    cycles.append((matched, len(draft), accepted, emitted))
+    length += emitted
   return cycles
 
 
@@ -80,20 +81,20 @@ def cycle_costs(verify_over_step: dict) -> callable:
       np.interp(drafts, gammas, ratios))
 
 
-def summarize(cycles: list[tuple[int, int, int]], gamma: int,
+def summarize(cycles: list[tuple[int, int, int, int]], gamma: int,
               verify_over_step=None) -> dict:
   """Tokens per cycle, the share of plain-step cycles, acceptance by the
   matched n-gram's length and, given the verify costs, the predicted
   speedup over AR and the copy-from-context bound."""
-  cycles = np.array(cycles, np.int64).reshape(-1, 3)
-  n, proposed, accepted = cycles.T
+  cycles = np.array(cycles, np.int64).reshape(-1, 4)
+  n, proposed, accepted, emitted = cycles.T
   by_n = {}
   for length in sorted(set(n[proposed > 0].tolist())):
     mine = accepted[n == length]
     by_n[str(length)] = {"cycles": int(mine.size),
                          "mean_accepted": float(mine.mean()),
                          "some_accepted": float((mine > 0).mean())}
-  tokens = int((accepted + 1).sum())
+  tokens = int(emitted.sum())
   summary = {"cycles": len(cycles), "tokens": tokens,
              "tokens_per_cycle": tokens / max(len(cycles), 1),
              "plain_step_share": float((proposed == 0).mean()),

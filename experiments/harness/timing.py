@@ -232,9 +232,12 @@ class RoundTimer:
     return {**per_step, **{name: median[name] for name in self.calls}}
 
 
-def _context(target: Model, batch_size: int, max_len: int):
-  """Tokens [B, max_len], lengths [B] at mid-cache, the full lengths [B] and
-  the target's cache, filled with the keys and values of the whole context.
+def _context(target: Model, batch_size: int, max_len: int,
+             hidden_layers: tuple[int, ...] = ()):
+  """Tokens [B, max_len], lengths [B] at mid-cache, the full lengths [B],
+  the target's cache, filled with the keys and values of the whole context,
+  and the context's hidden states at `hidden_layers` (for a drafter that
+  reads the target's features).
 
   The context repeats, so that prompt lookup finds matches as it would in
   the inputs it is good for. The cache holds real keys and values, as in the
@@ -244,8 +247,9 @@ def _context(target: Model, batch_size: int, max_len: int):
   lengths = jnp.full((batch_size,), max_len // 2, jnp.int32)
   full = jnp.full((batch_size,), max_len, jnp.int32)
   tokens = jnp.broadcast_to(jnp.arange(max_len) % 7, (batch_size, max_len))
-  cache = target.prefill(tokens, full, max_len).rollback(lengths - 1)
-  return tokens, lengths, full, cache
+  cache, hidden = target.prefill_with_hidden(tokens, full, max_len,
+                                             hidden_layers)
+  return tokens, lengths, full, cache.rollback(lengths - 1), hidden
 
 
 class TargetTimer:
@@ -266,7 +270,7 @@ class TargetTimer:
   def __init__(self, target: Model, batch_size: int, prompt_width: int,
                max_len: int, sampling: Sampling, steps: int = 24):
     key = jax.random.key(0)
-    tokens, lengths, _, cache = _context(target, batch_size, max_len)
+    tokens, lengths, _, cache, _ = _context(target, batch_size, max_len)
     prompts = tokens[:, :prompt_width]
     prompt_lengths = jnp.full((batch_size,), prompt_width, jnp.int32)
     self.timer = RoundTimer(
@@ -309,13 +313,12 @@ class CycleTimer:
     num_nodes, self.depth = drafter.cycle_shape(config.gamma)
     template = getattr(drafter, "template", None)
     key = jax.random.key(0)
-    tokens, lengths, full, target_cache = _context(target, batch_size,
-                                                   max_len)
     layers = drafter.target_layers
+    tokens, lengths, _, target_cache, hidden = _context(
+        target, batch_size, max_len, layers)
     # Prefilled over the whole context with the pointer at mid-cache, as the
     # target's: a drafter that reads the target's features gets them.
-    draft_state = drafter.prefill(tokens, lengths, max_len, target.prefill_with_hidden(
-        tokens, full, max_len, layers)[1])
+    draft_state = drafter.prefill(tokens, lengths, max_len, hidden)
     draft_tokens = tokens[:, :num_nodes]
     # A tree's q sits at its N + 1 context nodes, a chain's at its drafts.
     parents = (None if template is None else

@@ -130,14 +130,12 @@ def train(config: ml_collections.ConfigDict, workdir) -> eagle.EagleDrafter:
     vocab_ids = jnp.asarray(reduced_vocabulary(
         cache, config.reduced_vocab, target.vocab_size, train_rows))
   tokens_per_step = config.batch_size * config.seq_len
-  _log.info("%d training sequences, %d held out; %s", len(train_rows),
-            len(heldout), eagle.EagleDrafter(
-                target, eagle.init_params(head_config, jax.random.key(0)),
-                head_config, vocab_ids).describe())
-
   optimizer = make_optimizer(config)
   params = eagle.init_params(head_config, jax.random.key(config.seed), target,
                              vocab_ids)
+  _log.info("%d training sequences, %d held out; %s", len(train_rows),
+            len(heldout), eagle.EagleDrafter(target, params, head_config,
+                                             vocab_ids).describe())
   state = {"params": params, "opt_state": optimizer.init(params),
            "seconds": np.zeros((), np.float64)}
   manager, start, state = resume(workdir, config.checkpoint_every, state)
