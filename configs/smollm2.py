@@ -30,11 +30,12 @@ def get_config(arg=None):
   # No draft model shares SmolLM2's vocabulary offline; prompt lookup needs
   # none (see the README's real-model section).
   config.drafter = "ngram"
-  # A verify of 7 tokens costs about 2 target steps here, so a proposal must
-  # be accepted about one draft on average to pay. Replayed on SmolLM2's
-  # greedy replies (configs/lookup_replay.py), a one-token match was accepted
-  # 0.5 drafts on average, a two-token one 1.6, three or more 2.4-3.4: only
-  # matches of 3+ tokens are proposed, up to 6 drafts.
+  # A verify of 7 tokens costs about 1.9 float32 target steps here, so a
+  # proposal must be accepted about one draft on average to pay. Replayed on
+  # SmolLM2's greedy replies (configs/lookup_replay.py), a one-token match
+  # was accepted 0.5 drafts on average, a two-token one 1.6, three or more
+  # 2.4-3.4: only matches of 3+ tokens are proposed, up to 6 drafts (2+ ties
+  # in the replay's prediction and measured a little slower).
   config.gamma = 6
   config.ngram.max_n = 4
   config.ngram.min_n = 3
