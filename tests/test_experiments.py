@@ -359,6 +359,7 @@ def test_bench_step_smoke_run_writes_the_json_other_checks_read(tmp_path):
   assert set(row["verify_over_step_batch2"]) == {"1", "2"}
 
 
+@pytest.mark.slow  # 10 s; test_lookup_replay.py covers the replay itself
 def test_lookup_replay_smoke_run(tmp_path):
   result = run_module("experiments.lookup_replay",
                       "--config=configs/lookup_replay.py:runlocal",
