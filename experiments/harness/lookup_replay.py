@@ -48,11 +48,15 @@ def replay_row(prompt: list[int], output: list[int], gamma: int, max_n: int,
   tokens the cycle emits (accepted + 1, fewer at the end of the output).
   """
   sequence = np.asarray(prompt + output, np.int32)
-  # Every cycle starts at some prefix length: look them all up at once.
-  starts = np.arange(len(prompt), len(sequence), dtype=np.int32)
+  # Every cycle starts at some prefix length: look them all up at once, in a
+  # buffer padded to a power of two so that rows share compiled lookups (a
+  # lookup reads only below each prefix's length).
+  padded = pad_prompts([sequence])[0][0]
+  starts = np.minimum(np.arange(len(padded), dtype=np.int32) + len(prompt),
+                      len(padded))  # the first len(output) are cycle starts
   drafts, proposed = {}, {}
   for n in range(max_n, min_n - 1, -1):
-    d, p = _lookups(jnp.asarray(sequence), jnp.asarray(starts), gamma, n)
+    d, p = _lookups(jnp.asarray(padded), jnp.asarray(starts), gamma, n)
     drafts[n], proposed[n] = np.asarray(d), np.asarray(p)
   cycles, length = [], len(prompt)
   while length < len(sequence):
