@@ -66,8 +66,8 @@ def ttt_loss(params: dict, config: EagleConfig, target: Model, batch: dict,
              vocab_ids: jax.Array | None, num_steps: int):
   """(weighted loss, {"loss": [steps], "top1": [steps]}) on a batch.
 
-  batch: tokens [B, T] int32, lengths [B], hidden [B, T, F, D], top_ids and
-    top_logits [B, T, K] (a FeatureCache batch).
+  batch: tokens [B, T] int32, lengths and loss_from [B], hidden
+    [B, T, F, D], top_ids and top_logits [B, T, K] (a FeatureCache batch).
   top1[k]: how often step k's argmax is the target's argmax, the greedy
     acceptance of draft k + 1 given the drafts before it were accepted.
   """
@@ -86,7 +86,9 @@ def ttt_loss(params: dict, config: EagleConfig, target: Model, batch: dict,
   positions = jnp.broadcast_to(jnp.arange(length), (batch_size, length))
   p, ids, draftable = _targets(
       batch, reduced_index(vocab_ids, config.target_vocab_size))
-  valid = positions < batch["lengths"][:, None]
+  # Only predictions from loss_from on are trained (a reply, not its prompt).
+  valid = ((positions < batch["lengths"][:, None])
+           & (positions >= batch["loss_from"][:, None]))
   losses, top1 = [], []
   for step in range(num_steps):
     visible = jnp.broadcast_to(ttt_mask(length, num_steps, step),

@@ -34,6 +34,7 @@ def features_batch(target, tokens, layers, top_k):
   top_logits, top_ids = jax.lax.top_k(logits, top_k)
   return {"tokens": tokens,
           "lengths": jnp.full(tokens.shape[:1], tokens.shape[1]),
+          "loss_from": jnp.zeros(tokens.shape[:1], jnp.int32),
           "hidden": jnp.stack(hidden, 2), "top_ids": top_ids,
           "top_logits": top_logits}
 
@@ -88,6 +89,24 @@ def test_training_time_test_sees_what_drafting_sees():
   np.testing.assert_array_equal(mask[4].reshape(3, 5), expected)
   np.testing.assert_array_equal(
       eagle_training.ttt_mask(5, 3, 0)[:, :5], np.tril(np.ones((5, 5), bool)))
+
+
+def test_training_loss_is_on_positions_from_loss_from(target):
+  """A self-distilled row trains on its reply: what the target's law says
+  on the prompt before loss_from changes nothing, and after it, everything."""
+  config = eagle.EagleConfig.for_target(target.config)
+  params = eagle.init_params(config, jax.random.key(0))
+  tokens = np.random.default_rng(0).integers(0, target.vocab_size, (2, 12))
+  batch = dict(features_batch(target, tokens, config.feature_layers, 8),
+               loss_from=jnp.array([5, 0]))
+  loss = lambda b: eagle_training.ttt_loss(params, config, target, b, None,
+                                           3)[0]
+  noise = jax.random.normal(jax.random.key(1), batch["top_logits"].shape)
+  before = jnp.arange(12)[None, :, None] < batch["loss_from"][:, None, None]
+  on_prompt = dict(batch, top_logits=batch["top_logits"] + 5 * noise * before)
+  on_reply = dict(batch, top_logits=batch["top_logits"] + 5 * noise * ~before)
+  assert float(loss(on_prompt)) == pytest.approx(float(loss(batch)), rel=1e-6)
+  assert abs(float(loss(on_reply)) - float(loss(batch))) > 1e-2
 
 
 def test_training_raises_acceptance(target):

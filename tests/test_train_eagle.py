@@ -37,10 +37,11 @@ def test_training_resumes_and_writes_a_learning_curve(tiny_models, tmp_path,
                                                       caplog):
   caplog.set_level(logging.INFO, logger="experiments")
   train_eagle.train(tiny_config(tiny_models[0], num_steps=3), tmp_path)
+  assert "self-distillation:" in caplog.text
   caplog.clear()
   train_eagle.train(tiny_config(tiny_models[0], num_steps=6), tmp_path)
   assert "resumed from step 3" in caplog.text
-  assert "features:" not in caplog.text  # the cached features were reused
+  assert "self-distillation:" not in caplog.text  # the cache was reused
   curve = json.loads((tmp_path / "learning_curve.json").read_text())
   assert [r["step"] for r in curve] == [3, 6]
   assert len(curve[-1]["top1"]) == 3 and curve[-1]["tokens_seen"] == 6 * 4 * 32

@@ -1,18 +1,19 @@
 """Training an EAGLE head for a target, resumable at every stage.
 
-  1. data      corpus windows, or the target's own replies to instructions
-               (self-distillation, written batch by batch);
-  2. features  one target pass over every sequence, cached on disk
-               (eagle_data.FeatureCache);
-  3. training  training-time test (spec_jax.eagle_training) with optax and
+  1. features  the target's features and top logits over its training
+               sequences, cached on disk (eagle_data.FeatureCache): its own
+               replies to instructions, recorded as it generates them
+               (self-distillation; a chat model's instructions are partly
+               its own requests), or one pass over corpus windows;
+  2. training  training-time test (spec_jax.eagle_training) with optax and
                orbax checkpoints; the held-out greedy acceptance by draft
                position is logged and written to learning_curve.json (and
                learning_curve.png at the end);
-  4. the head  written to workdir/head (spec_jax.eagle.save_head), which
+  3. the head  written to workdir/head (spec_jax.eagle.save_head), which
                `--config.drafter=eagle --config.eagle=DIR/head` loads.
 
 A stage whose output is on disk is skipped, so an interrupted run picks up
-where it stopped: inside stage 1 at the next batch, inside stage 3 at the
+where it stopped: inside stage 1 at the next batch, inside stage 2 at the
 last checkpoint.
 """
 
@@ -35,22 +36,43 @@ from spec_jax.bundle import ModelBundle
 _log = logging.getLogger(__name__)
 
 
-def sequences(config: ml_collections.ConfigDict, bundle: ModelBundle,
-              workdir: pathlib.Path) -> list[np.ndarray]:
+def _prompts(config: ml_collections.ConfigDict, bundle: ModelBundle,
+             workdir: pathlib.Path) -> list[list[int]]:
+  """What the target replies to (self-distillation): for a chat model,
+  user_request_fraction of num_sequences requests it writes itself and the
+  rest made from the corpus; for a base model, windows of the corpus."""
+  if bundle.chat_template is None:
+    return eagle_data.corpus_prompts(bundle.tokenizer, config.num_sequences,
+                                     config.prompt_tokens, config.seed,
+                                     config.corpus)
+  own = round(config.user_request_fraction * config.num_sequences)
+  requests = eagle_data.instructions(config.num_sequences - own, config.seed,
+                                     config.corpus)
+  if own:
+    requests += eagle_data.user_requests(
+        bundle, own, workdir / "user_requests", max_tokens=config.request_tokens,
+        batch_size=config.generate_batch_size, seed=config.seed)
+  return eagle_data.chat_prompts(bundle, requests)
+
+
+def features(config: ml_collections.ConfigDict, bundle: ModelBundle,
+             layers: tuple[int, ...],
+             workdir: pathlib.Path) -> eagle_data.FeatureCache:
+  """The feature cache at workdir/features, made on the first run."""
+  path = workdir / "features"
+  if path.exists():
+    return eagle_data.FeatureCache.open(path)
   if config.data == "corpus":
-    return eagle_data.corpus_sequences(bundle.tokenizer, config.num_sequences,
-                                       config.seq_len, config.seed,
-                                       config.corpus)
+    return eagle_data.extract_features(
+        bundle.model, eagle_data.corpus_sequences(
+            bundle.tokenizer, config.num_sequences, config.seq_len,
+            config.seed, config.corpus),
+        path, layers=layers, length=config.seq_len, top_k=config.top_k,
+        batch_size=config.feature_batch_size)
   if config.data == "self_distill":
-    if bundle.chat_template is not None:
-      prompts = eagle_data.chat_prompts(bundle, eagle_data.instructions(
-          config.num_sequences, config.seed, config.corpus))
-    else:  # a base model continues text of the corpus
-      prompts = eagle_data.corpus_prompts(
-          bundle.tokenizer, config.num_sequences, config.prompt_tokens,
-          config.seed, config.corpus)
-    return eagle_data.self_distill(
-        bundle, prompts, workdir / "replies",
+    return eagle_data.distill_features(
+        bundle, _prompts(config, bundle, workdir), path, layers=layers,
+        length=config.seq_len, top_k=config.top_k,
         max_new_tokens=config.max_new_tokens,
         batch_size=config.generate_batch_size,
         temperature=config.generate_temperature, seed=config.seed)
@@ -59,10 +81,12 @@ def sequences(config: ml_collections.ConfigDict, bundle: ModelBundle,
 
 def reduced_vocabulary(cache: eagle_data.FeatureCache, size: int,
                        vocab_size: int, rows) -> np.ndarray:
-  """[size] int32: the tokens most often the target's argmax in `rows`."""
+  """[size] int32: the tokens most often the target's argmax in `rows`
+  (where the head is trained: from loss_from)."""
   counts = np.zeros(vocab_size, np.int64)
   for row in rows:
-    argmax = np.asarray(cache.top_ids[row, :cache.lengths[row], 0])
+    argmax = np.asarray(
+        cache.top_ids[row, cache.loss_from[row]:cache.lengths[row], 0])
     counts += np.bincount(argmax, minlength=vocab_size)
   return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
 
@@ -116,15 +140,13 @@ def train(config: ml_collections.ConfigDict, workdir) -> eagle.EagleDrafter:
   bundle = loading.load(config.target, name="target")
   target = bundle.model
   head_config = _head_config(config, target)
-  if not (workdir / "features").exists():
-    eagle_data.extract_features(
-        target, sequences(config, bundle, workdir), workdir / "features",
-        layers=head_config.feature_layers, length=config.seq_len,
-        top_k=config.top_k, batch_size=config.feature_batch_size)
-  cache = eagle_data.FeatureCache.open(workdir / "features")
+  cache = features(config, bundle, head_config.feature_layers, workdir)
   num = len(cache.lengths)
-  heldout = np.arange(num - config.eval_sequences, num)
-  train_rows = np.arange(num - config.eval_sequences)
+  # Held out at random: the cache's rows are in the order they were made
+  # (self-distillation batches prompts by length).
+  order = np.random.default_rng(config.seed).permutation(num)
+  heldout = np.sort(order[:config.eval_sequences])
+  train_rows = np.sort(order[config.eval_sequences:])
   vocab_ids = None
   if config.reduced_vocab:
     vocab_ids = jnp.asarray(reduced_vocabulary(
