@@ -5,8 +5,9 @@ The built-in target, on its own greedy continuations of the corpus (about
 
   python -m experiments.train_eagle --config=configs/train_eagle.py --workdir=/tmp/eagle/builtin
 
-SmolLM2-135M-Instruct, on its own greedy replies to instructions made from
-the corpus (self-distillation; hours on 2 CPU cores):
+SmolLM2-135M-Instruct, on its own greedy replies to requests it writes
+itself and to code requests made from the corpus (self-distillation; about
+1.5 hours on 2 CPU cores):
 
   python -m experiments.train_eagle --config=configs/train_eagle.py:smollm2 --workdir=/tmp/eagle/smollm2
 
@@ -22,12 +23,15 @@ def get_config(arg="builtin"):
   config = ml_collections.ConfigDict()
   config.target = "pretrained/target"
   # "corpus": windows of the corpus; "self_distill": the target's replies to
-  # instructions made from the corpus's functions and modules.
+  # instructions (a chat model) or continuations of corpus windows (a base
+  # model), with the loss on what it wrote.
   config.data = "self_distill"
   config.corpus = ""  # "" is the Python standard library
   # Corpus windows, or prompts for the target to continue or reply to.
   config.num_sequences = 2048
-  config.seq_len = 256  # tokens per sequence (prompt and reply, truncated)
+  # Tokens per sequence: a corpus window, or a prompt and its reply
+  # (prompts longer than seq_len - max_new_tokens are dropped).
+  config.seq_len = 256
   # Self-distillation only: a base model's prompts are prompt_tokens of the
   # corpus.
   config.prompt_tokens = 64
@@ -40,13 +44,14 @@ def get_config(arg="builtin"):
   config.user_request_fraction = 0.0
   config.request_tokens = 64
   # The head: the inputs of these target blocks, fused (index L is the last
-  # block's output); () is EAGLE-3's (2, L // 2, L - 3). reduced_vocab K > 0 predicts over the K tokens most
-  # often the target's argmax; 0 uses the target's output layer.
+  # block's output); () is EAGLE-3's (2, L // 2, L - 3). reduced_vocab K > 0
+  # predicts over the K tokens most often the target's argmax; 0 uses the
+  # target's output layer.
   config.feature_layers = (2, 4, 6)  # low, middle, last of the 6 blocks
   config.reduced_vocab = 0
   # The target's law is stored truncated to its top_k logits.
   config.top_k = 32
-  config.feature_batch_size = 16
+  config.feature_batch_size = 16  # data=corpus: sequences per target pass
   # Training-time test: unrolled steps, weighted 0.8^k.
   config.ttt_steps = 3
   config.batch_size = 8
@@ -57,7 +62,7 @@ def get_config(arg="builtin"):
   config.grad_clip = 0.5
   config.log_every = 25
   config.eval_every = 100
-  config.eval_sequences = 64  # held out (the last ones)
+  config.eval_sequences = 64  # held out, drawn at random
   config.checkpoint_every = 100
   # dtype of the exported head ("" keeps float32); bfloat16 halves the files.
   config.storage_dtype = "bfloat16"
@@ -77,7 +82,7 @@ def get_config(arg="builtin"):
     # the target's replies.
     config.reduced_vocab = 8192
     config.batch_size = 16
-    config.num_steps = 500
+    config.num_steps = 800  # 3.3M token positions, about 50 minutes
     config.eval_every = 50
     config.eval_sequences = 64
   elif arg == "runlocal":

@@ -103,7 +103,8 @@ def test_distillation_resumes_after_the_last_batch_written(
 
 
 def test_a_changed_config_is_not_resumed_into(bundle, tmp_path, monkeypatch):
-  interrupted, _ = _raise_on_second_call(eagle_data._decode_with_features)  # pylint: disable=protected-access
+  interrupted, _ = _raise_on_second_call(
+      eagle_data._decode_with_features)  # pylint: disable=protected-access
   monkeypatch.setattr(eagle_data, "_decode_with_features", interrupted)
   with pytest.raises(KeyboardInterrupt):
     eagle_data.distill_features(bundle, PROMPTS, tmp_path / "features",

@@ -106,11 +106,12 @@ def user_requests(bundle: ModelBundle, num: int, folder, *, max_tokens: int,
   """num distinct user requests that the target writes itself (Magpie).
 
   The chat template is cut where the user's text would start, and the
-  target continues it at T=1 (Magpie's setting; a top-p would sort the
-  vocabulary at every step, 4x the cost of the step here): what it writes
-  is a request like those it was tuned on. Requests it did not end within max_tokens
-  are kept as cut; empty and repeated ones are dropped. Each batch is
-  written to folder/batch_NNNN.json, and a restarted run skips those on disk.
+  target continues it at T=1, Magpie's setting (a top-p sorts the
+  vocabulary at every step: SmolLM2's requests took 4x as long with one).
+  What it writes is a request like those it was tuned on. Requests it did
+  not end within max_tokens are kept as cut; empty and repeated ones are
+  dropped. Each batch is written to folder/batch_NNNN.json, and a restarted
+  run skips those on disk.
   """
   marker = "\x00"
   template = bundle.apply_chat_template([{"role": "user", "content": marker}],

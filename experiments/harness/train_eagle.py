@@ -50,7 +50,8 @@ def _prompts(config: ml_collections.ConfigDict, bundle: ModelBundle,
                                      config.corpus)
   if own:
     requests += eagle_data.user_requests(
-        bundle, own, workdir / "user_requests", max_tokens=config.request_tokens,
+        bundle, own, workdir / "user_requests",
+        max_tokens=config.request_tokens,
         batch_size=config.generate_batch_size, seed=config.seed)
   return eagle_data.chat_prompts(bundle, requests)
 
