@@ -7,7 +7,7 @@ The built-in target, on its own greedy continuations of the corpus (about
 
 SmolLM2-135M-Instruct, on its own greedy replies to requests it writes
 itself and to code requests made from the corpus (self-distillation; about
-1.5 hours on 2 CPU cores):
+1.7 hours on 2 CPU cores):
 
   python -m experiments.train_eagle --config=configs/train_eagle.py:smollm2 --workdir=/tmp/eagle/smollm2
 
