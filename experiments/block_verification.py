@@ -11,7 +11,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import harness
-from experiments.harness import block_vs_token
+from experiments.harness import block_verification
 from experiments.harness import config as config_lib
 from experiments.harness import loading, records
 
@@ -28,8 +28,8 @@ def main(argv):
   records.check_writable(_WORKDIR.value)
   loaded, prompts = loading.load_experiment(config)
   print(f"{loaded.describe()}, {len(prompts.texts)} prompts", flush=True)
-  rows = block_vs_token.block_vs_token(config, loaded, prompts)
-  print(block_vs_token.format_table(rows))
+  rows = block_verification.block_vs_token(config, loaded, prompts)
+  print(block_verification.format_table(rows))
   path = os.path.join(_WORKDIR.value, "block_verification.json")
   records.write_results(path, config, {"rows": rows})
   print(f"wrote {path}")

@@ -10,7 +10,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import harness
-from experiments.harness import drafter_comparison, plots, records
+from experiments.harness import compare_drafters, plots, records
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Comparison config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where to write the results.")
@@ -22,8 +22,8 @@ def main(argv):
   harness.setup()
   config = _CONFIG.value
   records.check_writable(_WORKDIR.value)
-  rows = drafter_comparison.compare_drafters(config)
-  print(drafter_comparison.format_table(rows))
+  rows = compare_drafters.compare_drafters(config)
+  print(compare_drafters.format_table(rows))
   workdir = _WORKDIR.value
   records.write_results(os.path.join(workdir, "drafters.json"), config,
                         {"rows": rows})

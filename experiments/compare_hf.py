@@ -10,7 +10,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import harness
-from experiments.harness import hf_compare, records
+from experiments.harness import compare_hf, records
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.")
 _WORKDIR = flags.DEFINE_string("workdir", None,
@@ -23,8 +23,8 @@ def main(argv):
   harness.setup()
   config = _CONFIG.value
   records.check_writable(_WORKDIR.value)
-  report = hf_compare.compare(config, _WORKDIR.value)
-  print(hf_compare.format_table(report))
+  report = compare_hf.compare(config, _WORKDIR.value)
+  print(compare_hf.format_table(report))
   path = os.path.join(_WORKDIR.value, "compare_hf.json")
   records.write_results(path, config, report)
   print(f"wrote {path}")

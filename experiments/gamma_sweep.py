@@ -11,7 +11,7 @@ from ml_collections import config_flags
 
 from experiments import harness
 from experiments.harness import config as config_lib
-from experiments.harness import loading, plots, records, sweep
+from experiments.harness import loading, plots, records, gamma_sweep
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Sweep config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where to write the results.")
@@ -26,8 +26,8 @@ def main(argv):
   records.check_writable(_WORKDIR.value)
   loaded, prompts = loading.load_experiment(config)
   print(f"{loaded.describe()}, {len(prompts.texts)} prompts", flush=True)
-  result = sweep.gamma_sweep(config, loaded, prompts)
-  print(sweep.format_table(result["rows"]))
+  result = gamma_sweep.gamma_sweep(config, loaded, prompts)
+  print(gamma_sweep.format_table(result["rows"]))
   for name in ("best_gamma_measured", "best_gamma_predicted"):
     print(f"{name}: {result[name]}")
   workdir = _WORKDIR.value

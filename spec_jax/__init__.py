@@ -18,8 +18,8 @@ Importing spec_jax loads only what decoding needs: jax, flax, numpy and the
 checkpoint readers; the experiment harness lives in experiments/.
 """
 
-from spec_jax import sharding, theory, verification
-from spec_jax.checkpoint import load_model, save_model
+from spec_jax import rules, sharding, theory, verification
+from spec_jax.io.checkpoint import load_model, save_model
 from spec_jax.decoding import (
     PAD_ID,
     DecodeConfig,
@@ -37,20 +37,22 @@ from spec_jax.drafters import (
 )
 from spec_jax.draft_tree import TreeTemplate
 from spec_jax.drafting import Drafter, Proposal, VerifyOutput, propose
-from spec_jax.bundle import ModelBundle
-from spec_jax.gguf import load_gguf
-from spec_jax.hf import load_hf, save_hf
-from spec_jax.model import (KVCache, Model, RopeScaling, Transformer,
+from spec_jax.io.bundle import ModelBundle
+from spec_jax.io.gguf import load_gguf
+from spec_jax.io.hf import load_hf, save_hf
+from spec_jax.kv_cache import KVCache
+from spec_jax.model import (Model, RopeScaling, Transformer,
                             TransformerConfig, score)
-from spec_jax.rejection import (
+from spec_jax.rules import (
     acceptance_probs,
     correction_probs,
     overlap,
     resample,
+    resample_block,
+    resample_tree,
 )
 from spec_jax.sampling import Sampling
 from spec_jax.stats import DecodeStats
-from spec_jax.tree import resample_tree
 from spec_jax.verification import verify
 
 __all__ = [
@@ -61,7 +63,6 @@ __all__ = [
     "acceptance_probs", "correction_probs", "generate",
     "generate_autoregressive", "load_gguf", "load_hf", "load_model",
     "overlap", "pad_prompts", "prompt_lookup", "propose", "resample",
-    "resample_tree", "save_hf", "save_model", "score", "sharding", "theory",
-    "verification",
-    "verify",
+    "resample_block", "resample_tree", "rules", "save_hf", "save_model",
+    "score", "sharding", "theory", "verification", "verify",
 ]

@@ -9,7 +9,7 @@ its sequence (L = lengths[b]) and both caches hold valid keys and values for
 its first L - 1 tokens; the last token is fed by the next step.
 
 A tree drafter's cycle verifies the whole tree in one pass and accepts a
-root-to-node path of it (`tree.resample_tree`); both caches then move that
+root-to-node path of it (`rules.resample_tree`); both caches then move that
 path's keys and values next to the context (`KVCache.compact`), so that the
 same invariant holds and rollback stays a pointer move.
 """
@@ -22,9 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import rejection, sharding, tree
+from spec_jax import sharding
+from spec_jax import rules
 from spec_jax.drafting import Drafter, DraftState, VerifyOutput
-from spec_jax.model import KVCache, Model
+from spec_jax.kv_cache import KVCache
+from spec_jax.model import Model
 from spec_jax.sampling import Sampling
 from spec_jax.stats import DecodeStats
 from spec_jax.verification import verify, verify_proposed, verify_widths
@@ -43,11 +45,11 @@ class DecodeConfig:
   sampling: temperature, top-k and top-p, applied to p and q alike.
   eos_id: a stop id, or several (chat models often have more than one); a
     row stops after emitting any of them. None never stops early.
-  resample: the rejection rule, any function with `rejection.resample`'s
+  resample: the rejection rule, any function with `rules.resample`'s
     contract. The default is exact; tests pass a deliberately wrong one here
     as a negative control.
   resample_tree: the same for a tree drafter's proposals, any function with
-    `tree.resample_tree`'s contract.
+    `rules.resample_tree`'s contract.
   verify_buckets: how many verify widths a chain cycle chooses from, by the
     longest proposal in the batch (`verification.verify_widths`): 1 always
     verifies gamma + 1 tokens; 2 adds a plain target step for cycles in which
@@ -60,8 +62,8 @@ class DecodeConfig:
   max_new_tokens: int = 64
   sampling: Sampling = Sampling()
   eos_id: int | tuple[int, ...] | None = None
-  resample: Callable = rejection.resample
-  resample_tree: Callable = tree.resample_tree
+  resample: Callable = rules.resample
+  resample_tree: Callable = rules.resample_tree
   verify_buckets: int = 2
 
   def __post_init__(self):
@@ -184,10 +186,10 @@ def _check_chain(key, target, drafter, proposal, state, config) -> _Checked:
         greedy=sampling.greedy)
   stats = state.stats.record_cycle(
       active=~state.done,
-      proposed=rejection.draft_token_probs(proposal.tokens,
+      proposed=rules.draft_token_probs(proposal.tokens,
                                            proposal.probs) > 0,
       num_accepted=num_accepted,
-      overlap=rejection.overlap(proposal.probs, verified.probs)
+      overlap=rules.overlap(proposal.probs, verified.probs)
   ).count_width(width)
   # Draft i sits at slot lengths - 1 + i already: nothing to move.
   return _Checked(new_tokens, num_accepted, verified, verified.cache,
@@ -215,10 +217,10 @@ def _check_tree(key, target, drafter, proposal, state, config) -> _Checked:
   on_path = (context == 0) | jnp.any(path[..., None] + 1 == context,
                                      axis=1)  # [B, N+1]
   stats = state.stats.record(
-      active=~state.done, drafted=proposal.parents != tree.UNUSED,
+      active=~state.done, drafted=proposal.parents != rules.UNUSED,
       verified=on_path & (proposal.probs.sum(-1) > 0),
       num_accepted=num_accepted,
-      overlap=rejection.overlap(proposal.probs, verified.probs)
+      overlap=rules.overlap(proposal.probs, verified.probs)
   ).count_width(width)
   # Node j sits at slot lengths + j in both caches (the last token at
   # lengths - 1); the path moves to lengths, lengths + 1, ...
@@ -416,8 +418,8 @@ def generate_autoregressive(
   return generate_autoregressive_jit(key, target, prompts, prompt_lengths,
                                      dataclasses.replace(
                                          config, gamma=1,
-                                         resample=rejection.resample,
-                                         resample_tree=tree.resample_tree,
+                                         resample=rules.resample,
+                                         resample_tree=rules.resample_tree,
                                          verify_buckets=1))
 
 

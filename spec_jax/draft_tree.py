@@ -13,7 +13,7 @@ consecutive, in the order they were drawn:
   depth 4   15 | 16 | ... 20       one child of each node of depth 3
 
 `propose_tree` draws such a tree depth by depth, and lays it out as
-`tree.resample_tree` and `verify(..., parents=)` read it.
+`rules.resample_tree` and `verify(..., parents=)` read it.
 """
 
 import dataclasses
@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.model import KVCache
+from spec_jax.kv_cache import KVCache
 from spec_jax.sampling import Sampling
-from spec_jax.tree import UNUSED
+from spec_jax.rules.tree import UNUSED
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from spec_jax.draft_tree import TreeTemplate, propose_tree
 from spec_jax.drafting import Proposal, check_vocabulary, propose
-from spec_jax.model import KVCache, Model
+from spec_jax.kv_cache import KVCache
+from spec_jax.model import Model
 
 
 @flax.struct.dataclass

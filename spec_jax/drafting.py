@@ -27,7 +27,7 @@ a new class (drafters.py has four) and the loop does not change:
 lookup does). The target's cache passes through `propose` so that a drafter
 built from the target's own layers can use it instead of a cache of its own
 (layer skip does); the verify pass then rewrites every slot the draft wrote.
-A position whose q is all zero proposes nothing (see rejection.py), which is
+A position whose q is all zero proposes nothing (see rules/token.py), which is
 how a row drafts fewer than gamma tokens. A drafter is a pytree: parameters
 are leaves, settings static metadata, so it passes through `jax.jit`.
 
@@ -50,7 +50,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from spec_jax.model import KVCache, Model
+from spec_jax.kv_cache import KVCache
+from spec_jax.model import Model
 from spec_jax.sampling import Sampling
 
 # Whatever pytree a drafter keeps between cycles: its own KVCache, or None.
@@ -64,14 +65,14 @@ class Proposal:
   tokens: [B, N] int32 draft tokens.
   probs: for a chain, [B, N, V] float32, the q each was drawn from; all zero
     where a row proposes nothing. For a tree, [B, N+1, V], q at each context
-    node, the layout `tree.resample_tree` reads: index 0 the context's last
+    node, the layout `rules.resample_tree` reads: index 0 the context's last
     token, j + 1 node j; the children of a context are drawn from its q
     without replacement, and it is 0 where a node has no children.
   state: the drafter's state after drafting.
   target_cache: the target's cache, as the drafter leaves it.
   parents: None for a chain (node i follows node i - 1). For a tree, [B, N]
     int32: node i's parent node, or -1 when it follows the context's last
-    token, or tree.UNUSED (-2) when row b has no node i; parents[b, i] < i.
+    token, or rules.UNUSED (-2) when row b has no node i; parents[b, i] < i.
     `verify` scores either in one pass.
   """
 

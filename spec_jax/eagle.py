@@ -39,10 +39,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import files
+from spec_jax.io import files
 from spec_jax.drafting import Proposal, _DraftLoop, check_vocabulary
-from spec_jax.model import (Block, KVCache, Linear, Model, TransformerConfig,
-                            _norm, init_cache, visible_slots)
+from spec_jax.kv_cache import KVCache, init_cache
+from spec_jax.model import (Block, Linear, Model, TransformerConfig, _norm,
+                            visible_slots)
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:

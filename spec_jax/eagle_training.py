@@ -25,7 +25,8 @@ import numpy as np
 import optax
 
 from spec_jax.eagle import EagleConfig, EagleHead
-from spec_jax.model import Model, init_cache
+from spec_jax.kv_cache import init_cache
+from spec_jax.model import Model
 
 STEP_WEIGHT = 0.8
 

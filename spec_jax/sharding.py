@@ -32,7 +32,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spec_jax.model import KVCache, Model, TransformerConfig, abstract_params
+from spec_jax.kv_cache import KVCache
+from spec_jax.model import Model, TransformerConfig, abstract_params
 
 _log = logging.getLogger(__name__)
 

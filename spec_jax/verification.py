@@ -5,7 +5,8 @@ import jax.numpy as jnp
 
 from spec_jax import sampling as sampling_lib
 from spec_jax.drafting import VerifyOutput
-from spec_jax.model import KVCache, Model
+from spec_jax.kv_cache import KVCache
+from spec_jax.model import Model
 from spec_jax.sampling import Sampling
 
 
@@ -96,7 +97,7 @@ def verify_proposed(
   without a match, dynamic gamma stopped at once) costs a target step, not
   a gamma + 1 verify.
 
-  A row proposes its leading drafts with q > 0 (see rejection.py); past them
+  A row proposes its leading drafts with q > 0 (see rules/token.py); past them
   it is rejected, so only p up to its first unproposed position is read.
   Positions past the pass's width, which no active row reaches, repeat the
   last law computed. The output law is unchanged.

@@ -1,4 +1,9 @@
-"""Tiny random draft/target pairs for the tests."""
+"""Tiny random draft/target pairs, tiny trained models and the statistics
+helpers the tests share."""
+
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +12,13 @@ import pytest
 from scipy import stats
 
 import spec_jax as sj
+from configs import train as train_configs
+from experiments.harness import train
 from spec_jax import decoding
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# A small corpus that ships with the project: its own source.
+CORPUS = str(REPO / "spec_jax")
 
 
 def tiny_pair(vocab_size=16, max_len=64, sharpness=12.0, draft_noise=0.2,
@@ -80,3 +91,30 @@ def pooled_chi_square_p_value(counts, expected):
   keep = expected > 0
   statistic = np.sum((counts[keep] - expected[keep])**2 / expected[keep])
   return stats.chi2.sf(statistic, keep.sum() - 1)
+
+
+def tiny_train_config(**overrides):
+  config = train_configs.get_config("runlocal")
+  config.corpus = CORPUS
+  config.update(overrides)
+  return config
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+  """(target dir, draft dir) trained for a few steps on the tiny corpus."""
+  root = tmp_path_factory.mktemp("models")
+  # Two layers, so that layer skip has one to skip.
+  train.train(tiny_train_config(model=dict(
+      d_model=32, num_layers=2, num_heads=2, d_ff=64, max_len=128)),
+              root / "target")
+  draft_config = tiny_train_config(
+      tokenizer=str(root / "target" / "model"), seed=1,
+      model=dict(d_model=16, num_layers=1, num_heads=2, d_ff=32, max_len=128))
+  train.train(draft_config, root / "draft")
+  return root / "target" / "model", root / "draft" / "model"
+
+
+def run_module(module, *flags):
+  return subprocess.run([sys.executable, "-m", module, *flags], cwd=REPO,
+                        capture_output=True, text=True, timeout=600)

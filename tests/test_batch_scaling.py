@@ -2,15 +2,11 @@
 crossover, and the entry point end to end on the built-in pair."""
 
 import json
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from experiments.harness import batch_scaling
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from conftest import run_module
 
 
 def made_up_row(batch_size, temperature=0.0, verify_s=0.002,
@@ -60,11 +56,6 @@ def test_crossover_is_the_first_batch_size_where_sd_is_slower():
   # Predicted: 3.36 / (0.4 + v) falls below 1 once v > 2.96.
   assert batch_scaling.crossover(rows, "predicted_speedup_iid") == {
       "0": 32, "1": 32}
-
-
-def run_module(module, *flags):
-  return subprocess.run([sys.executable, "-m", module, *flags], cwd=REPO,
-                        capture_output=True, text=True, timeout=600)
 
 
 def test_bad_batch_sizes_are_refused_before_loading(tmp_path):

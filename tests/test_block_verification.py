@@ -5,10 +5,11 @@ sequence of a small vocabulary is weighed by its exact probability, and the
 law of the first gamma+1 tokens is compared with the target's to 1e-6. A
 verifier is given to the enumeration as its exact per-draft law: P(n accepted)
 and the law of the token emitted after n, so a wrong rule cannot hide in
-sampling noise. Monte Carlo tests then tie `resample(method="block")` itself
+sampling noise. Monte Carlo tests then tie `resample_block` itself
 to those exact laws.
 """
 
+import inspect
 import itertools
 
 import jax
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from spec_jax import block_verification
+from spec_jax import rules
 from conftest import pooled_chi_square_p_value
 from test_resample import (PrefixLaws, continue_with_target, enumerate_drafts,
                            max_law_gap, spec_block_law, target_law)
@@ -38,7 +39,7 @@ def token_emission_law(draft_tokens, draft_probs, target_probs):
 
 def wrong_stop_is_weight(draft_tokens, draft_probs, target_probs):
   """A wrong block rule: h_i = w_i, dropping the residual-mass term."""
-  w = np.asarray(block_verification.weights(draft_tokens, draft_probs,
+  w = np.asarray(rules.block.weights(draft_tokens, draft_probs,
                                             target_probs), np.float64)
   h = w.copy()
   h[:, 0] = 1.0
@@ -47,16 +48,18 @@ def wrong_stop_is_weight(draft_tokens, draft_probs, target_probs):
 
 
 TOKEN = (token_accepted_law, token_emission_law)
-BLOCK = (block_verification.num_accepted_law,
-         block_verification.emission_probs)
+# The library's sampler of each rule.
+RULES = {"token": sj.resample, "block": sj.resample_block}
+BLOCK = (rules.block.num_accepted_law,
+         rules.block.emission_probs)
 WRONG_RULES = {
     # The token rule's residual max(0, p - q), without the weight w_n.
-    "unweighted_residual": (block_verification.num_accepted_law,
+    "unweighted_residual": (rules.block.num_accepted_law,
                             token_emission_law),
-    "correction_from_p": (block_verification.num_accepted_law,
+    "correction_from_p": (rules.block.num_accepted_law,
                           lambda d, q, p: p),
     "stop_is_weight": (wrong_stop_is_weight,
-                       block_verification.emission_probs),
+                       rules.block.emission_probs),
 }
 
 
@@ -189,7 +192,7 @@ def test_block_accepts_at_least_as_many_as_token_exactly(case):
 
 
 def test_block_sampler_matches_its_exact_law():
-  """resample(method="block") draws (n, emitted token) with the law the
+  """resample_block draws (n, emitted token) with the law the
   enumeration uses: chi-square, 3 drafts x 20000 rows each, at 1e-3."""
   laws = PrefixLaws(4, seed=5)
   gamma, rows = 3, 20_000
@@ -200,9 +203,9 @@ def test_block_sampler_matches_its_exact_law():
       ..., None] * np.asarray(BLOCK[1](draft_tokens, draft_probs,
                                        target_probs)))  # [D, G+1, V]
   index = np.repeat(chosen, rows)
-  tokens, num_accepted = jax.jit(sj.resample, static_argnames="method")(
+  tokens, num_accepted = jax.jit(sj.resample_block)(
       jax.random.key(0), draft_tokens[index], draft_probs[index],
-      target_probs[index], method="block")
+      target_probs[index])
   tokens, num_accepted = np.asarray(tokens), np.asarray(num_accepted)
   emitted = tokens[np.arange(len(index)), num_accepted]
   for b in chosen:
@@ -227,10 +230,9 @@ def test_block_accepts_more_by_monte_carlo():
       laws, gamma)
   index = np.random.default_rng(0).choice(len(path), rows, p=path / path.sum())
   args = (draft_tokens[index], draft_probs[index], target_probs[index])
-  resample = jax.jit(sj.resample, static_argnames="method")
   means = {}
   for method, rule in (("token", TOKEN), ("block", BLOCK)):
-    _, num_accepted = resample(jax.random.key(1), *args, method=method)
+    _, num_accepted = jax.jit(RULES[method])(jax.random.key(1), *args)
     num_accepted = np.asarray(num_accepted, np.float64)
     exact = expected_accepted(laws, gamma, rule[0])
     assert abs(num_accepted.mean() - exact) < 5 * num_accepted.std() / np.sqrt(
@@ -248,7 +250,7 @@ def test_block_under_jit_and_vmap():
       jax.random.normal(keys[1], (batch, 2, gamma + 1, vocab)))
   draft_tokens = jax.random.categorical(keys[2], jnp.log(draft_probs)).astype(
       jnp.int32)
-  block = jax.jit(jax.vmap(lambda *a: sj.resample(*a, method="block")))
+  block = jax.jit(jax.vmap(sj.resample_block))
   tokens, num_accepted = block(jax.random.split(keys[3], batch), draft_tokens,
                                draft_probs, target_probs)
   assert tokens.shape == (batch, 2, gamma + 1) and tokens.dtype == jnp.int32
@@ -263,14 +265,14 @@ def test_block_zeros_and_equal_laws_give_no_nan():
   p = jnp.array([[[0.0, 1.0, 0.0, 0.0], [0.25, 0.25, 0.5, 0.0]]])
   q = p[:, :1]  # p == q: every w_i = 1 and the residual is empty.
   draft_tokens = jnp.array([[1]], jnp.int32)
-  for fn in (block_verification.stop_probs, block_verification.emission_probs):
+  for fn in (rules.block.stop_probs, rules.block.emission_probs):
     assert not jnp.isnan(fn(draft_tokens, q, p)).any()
-  tokens, num_accepted = sj.resample(jax.random.key(1), draft_tokens, q, p,
-                                     method="block")
+  tokens, num_accepted = sj.resample_block(jax.random.key(1), draft_tokens,
+                                           q, p)
   assert int(num_accepted[0]) == 1 and int(tokens[0, 1]) in (0, 1, 2)
   nothing = jnp.zeros_like(q)  # Proposes nothing: emit from p_1.
-  tokens, num_accepted = sj.resample(jax.random.key(1), draft_tokens, nothing,
-                                     p, method="block")
+  tokens, num_accepted = sj.resample_block(jax.random.key(1), draft_tokens,
+                                           nothing, p)
   assert int(num_accepted[0]) == 0 and int(tokens[0, 0]) == 1
 
 
@@ -278,16 +280,17 @@ def test_block_greedy_is_token_greedy():
   target_probs = jax.nn.one_hot(jnp.array([[3, 1, 4, 1]]), 6) * 0.5 + 0.1 / 6
   draft_tokens = jnp.array([[3, 1, 5]], jnp.int32)
   draft_probs = jax.nn.one_hot(draft_tokens, 6)
-  results = [sj.resample(jax.random.key(0), draft_tokens, draft_probs,
-                         target_probs, greedy=True, method=method)
+  results = [RULES[method](jax.random.key(0), draft_tokens, draft_probs,
+                            target_probs, greedy=True)
              for method in ("token", "block")]
   for token_result, block_result in zip(*results):
     np.testing.assert_array_equal(token_result, block_result)
   assert int(results[1][1][0]) == 2
 
 
-def test_unknown_method_is_rejected():
-  with pytest.raises(ValueError, match="'token', 'block'"):
-    sj.resample(jax.random.key(0), jnp.zeros((1, 1), jnp.int32),
-                jnp.ones((1, 1, 2)) / 2, jnp.ones((1, 2, 2)) / 2,
-                method="tree")
+def test_one_function_per_rule():
+  """A rule is chosen by passing its function; neither takes a method."""
+  for rule in (sj.resample, sj.resample_block):
+    parameters = inspect.signature(rule).parameters
+    assert "method" not in parameters
+    assert parameters["greedy"].kind is inspect.Parameter.KEYWORD_ONLY

@@ -9,8 +9,9 @@ import pytest
 
 import spec_jax as sj
 from experiments.harness import eagle_data
-from spec_jax import checkpoint, pretrained
-from spec_jax.bundle import ModelBundle
+from spec_jax.io import checkpoint
+from spec_jax.io import pretrained
+from spec_jax.io.bundle import ModelBundle
 
 LAYERS = (2, 4, 6)
 PROMPTS = [[5, 9, 11, 3, 7, 2], [40], [8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8],

@@ -10,8 +10,8 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="GGUF tests need `pip install gguf`")
 
 import spec_jax as sj
-from spec_jax import gguf as sj_gguf
-from spec_jax import hf
+from spec_jax.io import gguf as sj_gguf
+from spec_jax.io import hf
 
 # A byte-level vocabulary: the 256 byte symbols, two merges, two chat tokens.
 SPELLING = sj_gguf._bytes_to_unicode()  # pylint: disable=protected-access

@@ -15,7 +15,7 @@ transformers = pytest.importorskip(
     "-e '.[hf]'")
 
 import spec_jax as sj
-from spec_jax import hf
+from spec_jax.io import hf
 from test_hf_parity import TOKENIZER, VOCAB, _randomize, _torch_logits
 
 WINDOW = 7  # Shorter than the 40-token sequences.

@@ -19,7 +19,9 @@ transformers = pytest.importorskip(
 
 import spec_jax as sj
 from experiments.harness import loading
-from spec_jax import checkpoint, hf, pretrained
+from spec_jax.io import checkpoint
+from spec_jax.io import hf
+from spec_jax.io import pretrained
 
 TOKENIZER = pretrained.ROOT / "target" / "tokenizer.json"
 VOCAB = 512
@@ -161,8 +163,8 @@ def test_export_round_trip_matches_transformers(tmp_path):
 @pytest.mark.slow
 def test_compare_hf_benchmark_runs(tmp_path):
   from configs import compare_hf as compare_hf_configs
-  from experiments.harness import hf_compare
-  report = hf_compare.compare(compare_hf_configs.get_config("runlocal"),
+  from experiments.harness import compare_hf
+  report = compare_hf.compare(compare_hf_configs.get_config("runlocal"),
                               tmp_path)
   greedy = report["rows"][0]
   assert greedy["greedy_rows_equal_to_hf_plain"]["sd"] == 1.0

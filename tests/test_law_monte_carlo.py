@@ -113,7 +113,7 @@ def test_block_verification_samples_the_target_law(pair8):
   sampling = sj.Sampling(temperature=1.0)
   config = decoding.DecodeConfig(
       gamma=3, max_new_tokens=NUM_NEW, sampling=sampling,
-      resample=functools.partial(sj.resample, method="block"))
+      resample=sj.resample_block)
   decode = lambda key, prompts, lengths: sj.generate(
       key, target, sj.ModelDrafter(draft), prompts, lengths, config).tokens
   p_value = chi_square_p_value(sampled_counts(decode, seed=11),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from spec_jax import rejection
+from spec_jax import rules
 
 
 def random_law(rng, vocab_size, zero_fraction):
@@ -256,4 +256,4 @@ def test_greedy_accepts_while_draft_is_argmax():
 def test_overlap_is_sum_of_min():
   q = jnp.array([[[0.2, 0.8]]])
   p = jnp.array([[[0.6, 0.4], [0.5, 0.5]]])
-  np.testing.assert_allclose(rejection.overlap(q, p), [[0.6]], rtol=1e-6)
+  np.testing.assert_allclose(rules.overlap(q, p), [[0.6]], rtol=1e-6)

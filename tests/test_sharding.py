@@ -21,7 +21,8 @@ from jax.sharding import AbstractMesh
 
 import spec_jax as sj
 from experiments.harness import compare, loading
-from spec_jax import pretrained, sharding
+from spec_jax import sharding
+from spec_jax.io import pretrained
 from configs import quickstart as quickstart_configs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from spec_jax import decoding, tree
+from spec_jax import decoding
+from spec_jax import rules
 # eos_id and pair8 are fixtures, used by name.
 from conftest import loop_cycles
 from test_decoding import MAX_NEW, PROMPTS, eos_id  # pylint: disable=unused-import
@@ -47,7 +48,7 @@ def test_template_numbers_nodes_breadth_first():
   np.testing.assert_array_equal(template.parents[:9],
                                 [-1, -1, -1, 0, 0, 1, 1, 2, 2])
   np.testing.assert_array_equal(template.parents[15:], np.arange(9, 15))
-  assert tree.tree_depth(template.parents[None]) == 4
+  assert rules.tree_depth(template.parents[None]) == 4
   with pytest.raises(ValueError, match="branching"):
     sj.TreeTemplate((2, 0))
 
@@ -61,10 +62,10 @@ def test_children_are_distinct_and_never_drawn_where_q_is_zero(pair):
                      64)
   parents, q = np.asarray(proposal.parents), np.asarray(proposal.probs)
   tokens = np.asarray(proposal.tokens)
-  np.testing.assert_array_equal(parents[:, :3], [[-1, -1, tree.UNUSED]] * 4)
-  np.testing.assert_array_equal(parents[:, 7:], tree.UNUSED)  # below node 2
+  np.testing.assert_array_equal(parents[:, :3], [[-1, -1, rules.UNUSED]] * 4)
+  np.testing.assert_array_equal(parents[:, 7:], rules.UNUSED)  # below node 2
   assert (tokens[:, 0] != tokens[:, 1]).all()
-  used = parents != tree.UNUSED
+  used = parents != rules.UNUSED
   context = np.where(used, parents + 1, 0)
   drawn_from = q[np.arange(len(q))[:, None], context]  # [B, N, V] parent's q
   assert (np.take_along_axis(drawn_from, tokens[..., None], -1)[..., 0][used]
@@ -95,10 +96,10 @@ def test_tree_samples_follow_target_law(pair8, branching, sampling):
 
 WRONG_RULES = {
     # Tried siblings stay in s: the next sibling's acceptance is too high.
-    "no_removal": functools.partial(tree.resample_tree,
+    "no_removal": functools.partial(rules.resample_tree,
                                     without=lambda s, token: s),
     # r never moves to the residual: siblings and the correction use p.
-    "correction_from_p": functools.partial(tree.resample_tree,
+    "correction_from_p": functools.partial(rules.resample_tree,
                                            residual=lambda r, s: r),
 }
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spec_jax import tree
+from spec_jax import rules
 from conftest import pooled_chi_square_p_value
 from test_resample import (PrefixLaws, continue_with_target, max_law_gap,
                            target_law)
@@ -112,7 +112,7 @@ def enumerate_trees(laws, branching):
   vocab_size = laws.vocab_size
   for prob, nodes in grow([(-1, ())]):
     tokens = np.zeros(num_nodes, np.int64)
-    parents = np.full(num_nodes, tree.UNUSED, np.int64)
+    parents = np.full(num_nodes, rules.UNUSED, np.int64)
     draft_probs = np.zeros((num_nodes + 1, vocab_size))
     target_probs = np.zeros((num_nodes + 1, vocab_size))
     target_probs[:] = laws(())[0]  # Unused nodes: never read, any law will do.
@@ -209,7 +209,7 @@ def _sample_likely_trees():
   """4 trees of branching (2, 2) over 4 tokens, 20000 rows each, one batch."""
   laws = PrefixLaws(4, seed=2)
   rows = [t for t in _likely_trees(laws, (2, 2), 4) for _ in range(20_000)]
-  outputs = jax.jit(tree.resample_tree, static_argnames="depth")(
+  outputs = jax.jit(rules.resample_tree, static_argnames="depth")(
       jax.random.key(0), *_batch(rows), depth=2)
   return rows, outputs
 
@@ -243,11 +243,11 @@ def test_unused_nodes_in_a_mixed_batch():
                                                                 1)[0]
   pad = len(full[0]) - len(small_tokens)
   small = (np.pad(small_tokens, (0, pad)),
-           np.pad(small_parents, (0, pad), constant_values=tree.UNUSED),
+           np.pad(small_parents, (0, pad), constant_values=rules.UNUSED),
            np.pad(small_q, ((0, pad), (0, 0))),
            np.pad(small_p, ((0, pad), (0, 0)), constant_values=0.25))
   rows = [full, small] * 10_000
-  tokens, num_accepted, path = tree.resample_tree(jax.random.key(1),
+  tokens, num_accepted, path = rules.resample_tree(jax.random.key(1),
                                                   *_batch(rows))
   assert tokens.shape == (len(rows), 3) and path.shape == (len(rows), 2)
   assert int(num_accepted[1::2].max()) == 1
@@ -262,14 +262,14 @@ def test_greedy_follows_argmax():
   argmax = jnp.array([[1, 4, 0, 0, 0]])  # p's argmax at each context node
   target_probs = jax.nn.one_hot(argmax, vocab) * 0.6 + 0.08
   draft_probs = jnp.full((1, 5, vocab), 1 / vocab)
-  tokens, num_accepted, path = tree.resample_tree(
+  tokens, num_accepted, path = rules.resample_tree(
       jax.random.key(0), tree_tokens, parents, draft_probs, target_probs,
       greedy=True)
   np.testing.assert_array_equal(tokens[0], [1, 4, 0])  # bonus: argmax at 4
   np.testing.assert_array_equal(path[0], [0, 3])
   assert int(num_accepted[0]) == 2
   # Root's argmax 2 is not a child: emit it, accept nothing.
-  tokens, num_accepted, path = tree.resample_tree(
+  tokens, num_accepted, path = rules.resample_tree(
       jax.random.key(0), tree_tokens, parents, draft_probs,
       jax.nn.one_hot(jnp.array([[2, 4, 0, 0, 0]]), vocab), greedy=True)
   np.testing.assert_array_equal(tokens[0], [2, 2, 2])
@@ -283,8 +283,8 @@ def test_zeros_and_equal_laws_give_no_nan():
   p = jnp.array([[[0.5, 0.5, 0.0], [0.0, 0.0, 1.0], [0.2, 0.0, 0.8]]])
   tree_tokens = jnp.array([[0, 1]], jnp.int32)
   parents = jnp.array([[-1, -1]], jnp.int32)
-  tokens, num_accepted, path = jax.jit(tree.resample_tree)(
+  tokens, num_accepted, path = jax.jit(rules.resample_tree)(
       jax.random.key(3), tree_tokens, parents, p, p)
   assert tokens.shape == (1, 3) and int(num_accepted[0]) == 1
   assert int(tokens[0, 0]) == 0 and int(tokens[0, 1]) == 2
-  assert tree.tree_depth(np.asarray(parents)) == 1
+  assert rules.tree_depth(np.asarray(parents)) == 1

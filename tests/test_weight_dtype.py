@@ -12,7 +12,9 @@ import spec_jax as sj
 from configs import quickstart
 from experiments.harness import config as config_lib
 from experiments.harness import loading
-from spec_jax import checkpoint, pretrained, sharding
+from spec_jax import sharding
+from spec_jax.io import checkpoint
+from spec_jax.io import pretrained
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [13], [2, 7, 1, 8, 2]]
 

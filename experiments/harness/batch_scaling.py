@@ -3,7 +3,7 @@ batch grows, and why.
 
 For every (temperature, batch size) the ablation runs AR and SD side by side
 on the same prompts and times the loop's parts at that batch between their
-batches (`sweep.measure_row`, as the gamma sweep does): a target step, a draft
+batches (`gamma_sweep.measure_row`, as the gamma sweep does): a target step, a draft
 step (c = draft step / target step) and a verify of gamma + 1 tokens with its
 rejection step (v = verify / target step). Beside the measured speedup it sets
 
@@ -35,7 +35,7 @@ import time
 
 import ml_collections
 
-from experiments.harness import compare, loading, sweep, timing
+from experiments.harness import compare, gamma_sweep, loading, timing
 from experiments.harness import config as config_lib
 from spec_jax import theory
 from spec_jax.decoding import pad_prompts
@@ -44,9 +44,9 @@ _log = logging.getLogger(__name__)
 
 
 def row_of(batch_size: int, run: dict, parts: dict) -> dict:
-  """One ablation row: the sweep's measured-vs-predicted row (`sweep.row_of`,
+  """One ablation row: the sweep's measured-vs-predicted row (`gamma_sweep.row_of`,
   AR time from this row's own runs) and the batch-scaling columns."""
-  row = sweep.row_of(run, parts, run["ar"]["wall_s"])
+  row = gamma_sweep.row_of(run, parts, run["ar"]["wall_s"])
   gamma, c = row["gamma"], row["draft_cost_ratio_c"]
   verify_cost = row["verify_cost_ratio"]
   # What one loop cycle replaces: at batch 1 about tau; below it when rows
@@ -111,7 +111,7 @@ def batch_scaling(config: ml_collections.ConfigDict, loaded: loading.Loaded,
           loaded.target.model, batch_size, width, max_len,
           config_lib.sampling(config, temperature),
           steps=config.max_new_tokens)
-      run, parts = sweep.measure_row(
+      run, parts = gamma_sweep.measure_row(
           at_batch, config.gamma, temperature, loaded, prompts, width,
           max_len, target_timer, target_every=1, min_rounds=config.rounds)
       rows.append(row_of(batch_size, run,

@@ -9,21 +9,18 @@ own fields. Lists are tuples, which read naturally on the command line:
 from old flags (gammas "1-10").
 """
 
-import functools
 
 import ml_collections
 
-from spec_jax import rejection
+from spec_jax import rules
 from spec_jax.decoding import DecodeConfig
 from spec_jax.draft_tree import TreeTemplate
 from spec_jax.sampling import Sampling
 
 DRAFTERS = ("model", "ngram", "layer_skip", "eagle")
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
-# config.verification -> the decode's rejection rule; one function object per
-# rule, so that equal configs compile once.
-RESAMPLERS = {"token": rejection.resample,
-              "block": functools.partial(rejection.resample, method="block")}
+# config.verification -> the decode's rule for a chain (`DecodeConfig.resample`).
+RESAMPLERS = {"token": rules.resample, "block": rules.resample_block}
 
 
 def base_config() -> ml_collections.ConfigDict:

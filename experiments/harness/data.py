@@ -14,7 +14,7 @@ import zlib
 import numpy as np
 import tokenizers
 
-from spec_jax.pretrained import EOS
+from spec_jax.io.pretrained import EOS
 
 
 def corpus_files(source: str = "") -> list[pathlib.Path]:

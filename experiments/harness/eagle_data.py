@@ -38,7 +38,7 @@ import numpy as np
 
 from experiments.harness import data, records
 from spec_jax import decoding
-from spec_jax.bundle import ModelBundle
+from spec_jax.io.bundle import ModelBundle
 from spec_jax.model import Model
 
 _log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 One dispatch on where a model comes from: 'hf:DIR' is a Hugging Face folder
 (or hub name); 'gguf:NAME' a GGUF file that a pip package ships (see
-`spec_jax.gguf.PACKAGED`) and a path ending in .gguf a GGUF file;
+`spec_jax.io.gguf.PACKAGED`) and a path ending in .gguf a GGUF file;
 'pretrained/NAME' a built-in model; anything else a spec_jax model directory.
 """
 
@@ -16,10 +16,14 @@ import numpy as np
 
 from experiments.harness import config as config_lib
 from experiments.harness import data
-from spec_jax import checkpoint, eagle, gguf, hf, pretrained, sharding
+from spec_jax import eagle, sharding
+from spec_jax.io import checkpoint
+from spec_jax.io import gguf
+from spec_jax.io import hf
+from spec_jax.io import pretrained
 from spec_jax.decoding import (DecodeConfig, generate_autoregressive,
                                pad_prompts)
-from spec_jax.bundle import ModelBundle
+from spec_jax.io.bundle import ModelBundle
 from spec_jax.drafters import (LayerSkipDrafter, ModelDrafter, NgramDrafter,
                                TreeDrafter)
 from spec_jax.sampling import Sampling

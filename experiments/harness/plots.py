@@ -1,4 +1,4 @@
-"""Figures of the ablations: a gamma sweep (the dict `sweep.gamma_sweep`
+"""Figures of the ablations: a gamma sweep (the dict `gamma_sweep.gamma_sweep`
 returns), drafters, categories, trees, batch scaling and an EAGLE head's
 learning curve.
 
@@ -11,7 +11,7 @@ import os
 from matplotlib.figure import Figure
 import numpy as np
 
-from spec_jax import files
+from spec_jax.io import files
 
 
 def _by_temperature(rows):

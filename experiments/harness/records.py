@@ -8,7 +8,7 @@ import tempfile
 
 import numpy as np
 
-from spec_jax import files
+from spec_jax.io import files
 
 
 def code_version() -> str:

@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import rejection
+from spec_jax import rules
 from spec_jax.decoding import DecodeConfig
 from spec_jax.model import Model
 from spec_jax.sampling import Sampling
-from spec_jax.tree import resample_tree
+from spec_jax.rules.tree import resample_tree
 from spec_jax.verification import verify
 
 
@@ -139,7 +139,7 @@ def _verify_and_resample(target: Model, cache, tokens, lengths, draft_tokens,
 @functools.partial(jax.jit, static_argnames=("sampling", "depth", "resample"))
 def _verify_steps(target: Model, cache, tokens, lengths, draft_tokens,
                   draft_probs, parents, key, num_steps, sampling: Sampling,
-                  depth: int, resample=rejection.resample):
+                  depth: int, resample=rules.resample):
   """num_steps verify passes over N + 1 tokens (a chain's, or a tree's with
   parents), each with its rejection step."""
 
@@ -159,7 +159,7 @@ def _verify_steps(target: Model, cache, tokens, lengths, draft_tokens,
                    static_argnames=("gamma", "sampling", "depth", "resample"))
 def _cycle_steps(target: Model, drafter, state, target_cache, tokens, lengths,
                  key, num_steps, gamma: int, sampling: Sampling, depth: int,
-                 resample=rejection.resample):
+                 resample=rules.resample):
   """num_steps propose -> verify -> resample cycles: the decode loop's body
   without its bookkeeping (emitting tokens, counting statistics)."""
 

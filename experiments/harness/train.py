@@ -15,7 +15,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from experiments.harness import data
-from spec_jax import checkpoint, training
+from spec_jax import training
+from spec_jax.io import checkpoint
 from spec_jax.model import Model, TransformerConfig
 
 _log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 from experiments.harness import eagle_data, loading, plots, records
 from experiments.harness.train import make_optimizer, resume
 from spec_jax import eagle, eagle_training
-from spec_jax.bundle import ModelBundle
+from spec_jax.io.bundle import ModelBundle
 
 _log = logging.getLogger(__name__)
 

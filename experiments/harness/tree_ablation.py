@@ -3,7 +3,7 @@
 Each shape is a chain of gamma drafts (`ModelDrafter`) or a tree template
 (`TreeDrafter`), drafted by the same draft model. For every (temperature,
 shape) the ablation runs AR and SD side by side on the same prompts and times
-the cycle's parts between their batches (`sweep.measure_row`, as the gamma
+the cycle's parts between their batches (`gamma_sweep.measure_row`, as the gamma
 sweep does), then sets beside the measured speedup what the acceptance by
 depth predicts:
 
@@ -22,7 +22,7 @@ import time
 import ml_collections
 import numpy as np
 
-from experiments.harness import compare, loading, sweep, timing
+from experiments.harness import compare, gamma_sweep, loading, timing
 from experiments.harness import config as config_lib
 from spec_jax import theory
 from spec_jax.decoding import pad_prompts
@@ -103,7 +103,7 @@ def tree_ablation(config: ml_collections.ConfigDict, loaded: loading.Loaded,
         config_lib.sampling(config, temperature), steps=config.max_new_tokens)
     runs = []
     for name, drafter, gamma, num_nodes, depth in variants:
-      run, parts = sweep.measure_row(
+      run, parts = gamma_sweep.measure_row(
           config, gamma, temperature, dataclasses.replace(loaded,
                                                           drafter=drafter),
           prompts, width, max_len, target_timer)

@@ -23,8 +23,10 @@ import numpy as np
 import safetensors.flax
 import tokenizers
 
-from spec_jax import files, pretrained, sharding
-from spec_jax.bundle import ModelBundle
+from spec_jax import sharding
+from spec_jax.io import files
+from spec_jax.io import pretrained
+from spec_jax.io.bundle import ModelBundle
 from spec_jax.model import Model, RopeScaling, TransformerConfig
 
 FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2",

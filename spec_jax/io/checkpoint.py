@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import tokenizers
 
-from spec_jax import files, sharding
+from spec_jax import sharding
+from spec_jax.io import files
 from spec_jax.model import Model, TransformerConfig, abstract_params
 
 

@@ -12,7 +12,7 @@ import logging
 
 import ml_collections
 
-from experiments.harness import compare, loading, sweep, timing
+from experiments.harness import compare, gamma_sweep, loading, timing
 from experiments.harness import config as config_lib
 from spec_jax import theory
 from spec_jax.decoding import pad_prompts
@@ -66,7 +66,7 @@ def compare_drafters(config: ml_collections.ConfigDict) -> list[dict]:
           loaded.target.model, variant.batch_size, width, max_len,
           config_lib.sampling(variant, temperature),
           steps=variant.max_new_tokens)
-      run, parts = sweep.measure_row(variant, variant.gamma, temperature,
+      run, parts = gamma_sweep.measure_row(variant, variant.gamma, temperature,
                                      loaded, prompts, width, max_len,
                                      target_timer)
       row = _row(name, variant, overrides, run,

@@ -5,10 +5,11 @@ import pathlib
 
 import tokenizers
 
-from spec_jax import checkpoint
+from spec_jax.io import checkpoint
 from spec_jax.model import Model
 
-ROOT = pathlib.Path(__file__).parent / "pretrained"
+# The data sits in spec_jax/pretrained/, beside the package code.
+ROOT = pathlib.Path(__file__).parents[1] / "pretrained"
 # End of text in the built-in byte-level BPE vocabulary.
 EOS = "<|endoftext|>"
 

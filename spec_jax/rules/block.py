@@ -2,7 +2,7 @@
 
 Sun et al., "Block Verification Accelerates Speculative Decoding" (ICLR 2025,
 arXiv 2403.10444), Algorithm 2. For drafts d_1..d_G drawn from q_1..q_G and
-target laws p_1..p_{G+1}, with q_{G+1} = 0 as in `rejection`:
+target laws p_1..p_{G+1}, with q_{G+1} = 0 as in `rules.token`:
 
   weights    w_0 = 1,  w_i = min(1, w_{i-1} p_i(d_i) / q_i(d_i));
   residuals  R_i = max(0, w_i p_{i+1} - q_{i+1}),  m_i = sum_x R_i(x);
@@ -23,18 +23,20 @@ Sun et al. also prove it maximises the expected number of accepted drafts
 among verifiers that see only these probabilities, so it never accepts fewer
 than the token rule in expectation.
 
-Conventions shared with `rejection.resample`: a position whose q_i is all zero
+Conventions shared with `rules.resample`: a position whose q_i is all zero
 proposes nothing, so w_i = 0 there and after, h_{i-1} = w_{i-1}, and the row
 emits from norm(w_{i-1} p_i) = p_i, exactly the token rule's correction for a
 shorter chain. Where p == q every w_i = 1 and every draft is kept. At
 temperature 0 (one-hot p and q) every w_i is 0 or 1 and the rule reduces to
-token-level greedy, which is why `resample(..., greedy=True)` ignores `method`.
+token-level greedy, which is why `resample_block(..., greedy=True)` runs the
+token rule's greedy path.
 """
 
 import jax
 import jax.numpy as jnp
 
 from spec_jax import sampling
+from spec_jax.rules import token
 
 
 def weights(draft_tokens: jax.Array, draft_probs: jax.Array,
@@ -100,8 +102,10 @@ def resample_block(
     draft_tokens: jax.Array,
     draft_probs: jax.Array,
     target_probs: jax.Array,
+    *,
+    greedy: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """Block verification with the contract of `rejection.resample`.
+  """Block verification with the contract of `rules.resample`.
 
   Args:
     key: PRNG key.
@@ -109,12 +113,17 @@ def resample_block(
     draft_probs: [B, G, V] float32, q_1..q_G; all zero where a row proposes
       nothing.
     target_probs: [B, G+1, V] float32, p_1..p_{G+1}.
+    greedy: temperature 0, where the rule reduces to the token rule's greedy
+      one: accept while d_i == argmax p_i, then emit argmax.
 
   Returns:
     tokens [B, G+1] int32 and num_accepted [B] int32 in [0, G]:
     tokens[b, :n] == draft_tokens[b, :n], tokens[b, n] is the correction
     (n < G) or the bonus (n == G), and entries after n repeat tokens[b, n].
   """
+  if greedy:
+    return token.resample(key, draft_tokens, draft_probs, target_probs,
+                          greedy=True)
   gamma = draft_tokens.shape[-1]
   stop_key, key = jax.random.split(key)
   h = stop_probs(draft_tokens, draft_probs, target_probs)  # [B, G+1]

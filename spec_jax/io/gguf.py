@@ -29,7 +29,8 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from spec_jax import bundle, hf
+from spec_jax.io import bundle
+from spec_jax.io import hf
 from spec_jax.model import Model, RopeScaling, TransformerConfig
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")

@@ -24,7 +24,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from spec_jax import block_verification
 from spec_jax import sampling
 
 
@@ -66,7 +65,6 @@ def resample(
     target_probs: jax.Array,
     *,
     greedy: bool = False,
-    method: str = "token",
     correction: Callable[[jax.Array, jax.Array], jax.Array] = correction_probs,
 ) -> tuple[jax.Array, jax.Array]:
   """Accepts a prefix of the drafts and appends one correction or bonus token.
@@ -78,10 +76,6 @@ def resample(
       all zero where a row proposes nothing.
     target_probs: [B, G+1, V] float32, p_1..p_{G+1}.
     greedy: temperature 0: accept while d_i == argmax p_i, then emit argmax.
-      Both methods agree at temperature 0, so greedy ignores `method`.
-    method: "token", the rule above, or "block", block verification (Sun et
-      al., 2024; see `block_verification`), which keeps the same law and
-      accepts at least as many drafts in expectation.
     correction: the token rule's (draft_probs, target_probs) -> [B, G+1, V],
       the law of the emitted token after i accepted drafts. Exact only as
       `correction_probs`; a negative control passes a wrong one.
@@ -92,11 +86,6 @@ def resample(
     is the correction (n < G) or the bonus (n == G). Entries after n repeat
     tokens[b, n].
   """
-  if method not in ("token", "block"):
-    raise ValueError(f"method={method!r} is not one of 'token', 'block'.")
-  if method == "block" and not greedy:
-    return block_verification.resample_block(key, draft_tokens, draft_probs,
-                                             target_probs)
   gamma = draft_tokens.shape[-1]
   target_argmax = sampling.argmax(target_probs)  # [B, G+1]
   if greedy:

@@ -3,7 +3,7 @@ very same drafts (exact, paired), and tau and speedup in the full loop.
 
 On the same drafts, each rule's expected number of accepted drafts is exact:
 the token rule's sum_k prod_{i<=k} min(1, p_i/q_i), and block verification's
-sum_n n P(n) from `block_verification.num_accepted_law`. The drafts come from
+sum_n n P(n) from `rules.block.num_accepted_law`. The drafts come from
 the draft model at real contexts (every prefix of the held-out prompts), so
 the per-draft difference is a paired sample whose mean and standard error
 give the significance of the gain. The full-loop runs then measure what the
@@ -20,7 +20,7 @@ from scipy import stats
 
 from experiments.harness import compare, loading
 from experiments.harness import config as config_lib
-from spec_jax import block_verification, rejection
+from spec_jax import rules
 from spec_jax.decoding import pad_prompts
 from spec_jax.verification import verify
 
@@ -37,9 +37,9 @@ def _contexts(prompt_ids: list[list[int]], min_length: int, stride: int):
 def _expected_accepted(draft_tokens, draft_probs, target_probs):
   """[B] expected accepted drafts under the token rule and under block
   verification, for the same drafts."""
-  accept = rejection.acceptance_probs(draft_tokens, draft_probs, target_probs)
+  accept = rules.acceptance_probs(draft_tokens, draft_probs, target_probs)
   token = jnp.cumprod(accept, axis=-1).sum(-1)
-  law = block_verification.num_accepted_law(draft_tokens, draft_probs,
+  law = rules.block.num_accepted_law(draft_tokens, draft_probs,
                                             target_probs)
   block = (law * jnp.arange(law.shape[-1])).sum(-1)
   return token, block
