@@ -24,19 +24,19 @@ def main(argv):
   harness.setup()
   config = _CONFIG.value
   records.check_writable(_WORKDIR.value)
-  verify_over_step = None
+  verify_cost_ratio = None
   if config.bench_step:
     with open(config.bench_step) as f:
-      verify_over_step = json.load(f)["models"][config.bench_model][
-          "verify_over_step"]
+      verify_cost_ratio = json.load(f)["models"][config.bench_model][
+          "verify_cost_ratio"]
   loaded, prompts = loading.load_experiment(config)
   rows = lookup_replay.greedy_rows(config, loaded, prompts)
   print(f"{sum(len(r[2]) for r in rows)} greedy tokens of {len(rows)} prompts",
         flush=True)
-  results = lookup_replay.replay(rows, config.settings, verify_over_step)
+  results = lookup_replay.replay(rows, config.settings, verify_cost_ratio)
   print(lookup_replay.format_table(results))
   path = os.path.join(_WORKDIR.value, "lookup_replay.json")
-  records.write_results(path, config, {"verify_over_step": verify_over_step,
+  records.write_results(path, config, {"verify_cost_ratio": verify_cost_ratio,
                                        "settings": results})
   print(f"wrote {path}")
 

@@ -34,16 +34,36 @@ _DISTRIBUTED = flags.DEFINE_bool(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def main(argv):
-  del argv
-  harness.setup()
-  config = _CONFIG.value
+def _join_processes() -> None:
+  """Starts jax.distributed when the flags ask for many processes."""
   if _DISTRIBUTED.value or any(flag.value is not None for flag in (
       _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID)):
     # CPU processes need collectives that cross process boundaries.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value,
                                _PROCESS_ID.value)
+
+
+def _print_runs(runs: list[dict], tokenizer) -> None:
+  """The table, compile times, categories and two completions per run."""
+  print(compare.format_table(runs))
+  for run in runs:
+    print(f"compile seconds (first call less a timed one): AR "
+          f"{run['compile_s']['ar']:.1f}, SD {run['compile_s']['sd']:.1f}")
+    if "by_category" in run:
+      print(compare.format_category_table(run))
+  for run in runs:
+    for sample in run["samples"][:2]:
+      print(f"\n--- T={run['temperature']:g} prompt ---\n{sample['prompt']}"
+            f"\n--- SD continuation ---\n"
+            f"{tokenizer.decode(sample['sd_tokens'])}")
+
+
+def main(argv):
+  del argv
+  harness.setup()
+  config = _CONFIG.value
+  _join_processes()
   lead = jax.process_index() == 0
   if lead:
     records.check_writable(_WORKDIR.value)
@@ -67,17 +87,7 @@ def main(argv):
   runs = compare.compare(config, loaded, prompts, mesh)
   if not lead:
     return
-  print(compare.format_table(runs))
-  for run in runs:
-    print(f"compile seconds (first call less a timed one): AR "
-          f"{run['compile_s']['ar']:.1f}, SD {run['compile_s']['sd']:.1f}")
-    if "by_category" in run:
-      print(compare.format_category_table(run))
-  for run in runs:
-    for sample in run["samples"][:2]:
-      print(f"\n--- T={run['temperature']:g} prompt ---\n{sample['prompt']}"
-            f"\n--- SD continuation ---\n"
-            f"{loaded.target.tokenizer.decode(sample['sd_tokens'])}")
+  _print_runs(runs, loaded.target.tokenizer)
   path = os.path.join(_WORKDIR.value, "results.json")
   records.write_results(path, config, {
       "mesh": {"data": mesh.shape["data"], "model": mesh.shape["model"]},

@@ -12,6 +12,11 @@ A tree drafter's cycle verifies the whole tree in one pass and accepts a
 root-to-node path of it (`rules.resample_tree`); both caches then move that
 path's keys and values next to the context (`KVCache.compact`), so that the
 same invariant holds and rollback stays a pointer move.
+
+`speculative_cycle` is the cycle itself (propose, then `resample_proposal`:
+verify and the rule, a tree's compaction, then `Cycle.advance`); the loop
+around it only emits tokens and counts, and the harness times this same
+function.
 """
 
 import dataclasses
@@ -24,7 +29,7 @@ import numpy as np
 
 from spec_jax import sharding
 from spec_jax import rules
-from spec_jax.drafting import Drafter, DraftState, VerifyOutput
+from spec_jax.drafting import Drafter, DraftState, Proposal, VerifyOutput
 from spec_jax.kv_cache import KVCache
 from spec_jax.model import Model
 from spec_jax.sampling import Sampling
@@ -151,15 +156,25 @@ def _init_tokens(prompts, config: DecodeConfig, scratch: int) -> jax.Array:
 
 
 @flax.struct.dataclass
-class _Checked:
-  """One cycle after verify and resample, before the tokens are emitted."""
+class Cycle:
+  """One propose -> verify -> resample cycle of every row, before the loop
+  emits its tokens and counts it (`speculative_cycle`)."""
 
   tokens: jax.Array  # [B, T] the accepted drafts, then the correction/bonus.
   num_accepted: jax.Array  # [B]
+  proposal: Proposal
   verified: VerifyOutput
+  width: jax.Array  # [] int32, the index of the verify width that ran.
+  path: jax.Array | None  # [B, D] a tree's accepted nodes, -1 past its end.
   target_cache: KVCache  # accepted drafts in place; the pointer not moved.
   draft_state: DraftState  # the same, before `drafter.update`.
-  stats: DecodeStats
+
+  def advance(self, drafter: Drafter,
+              lengths: jax.Array) -> tuple[KVCache, DraftState]:
+    """Both caches once each row's sequence has lengths [B] tokens: every
+    token but the last (see the module docstring)."""
+    return (self.target_cache.rollback(lengths - 1),
+            drafter.update(self.draft_state, lengths - 1, self.verified))
 
 
 def _verify_widths(drafter: Drafter, config: DecodeConfig) -> tuple[int, ...]:
@@ -171,64 +186,111 @@ def _verify_widths(drafter: Drafter, config: DecodeConfig) -> tuple[int, ...]:
   return verify_widths(config.gamma, buckets)
 
 
-def _check_chain(key, target, drafter, proposal, state, config) -> _Checked:
+def _resample_chain(key, target, drafter, proposal, tokens, lengths, active,
+                    config) -> Cycle:
   """Verifies a chain and accepts a prefix of it (`config.resample`)."""
   sampling = config.sampling
   with jax.named_scope("verify"):
     verified, width = verify_proposed(
-        target, proposal.target_cache, state.tokens, state.lengths,
-        proposal.tokens, proposal.probs, ~state.done, sampling,
-        _verify_widths(drafter, config),
+        target, proposal.target_cache, tokens, lengths, proposal.tokens,
+        proposal.probs, active, sampling, _verify_widths(drafter, config),
         hidden_layers=drafter.target_layers)
   with jax.named_scope("resample"):
     new_tokens, num_accepted = config.resample(
         key, proposal.tokens, proposal.probs, verified.probs,
         greedy=sampling.greedy)
-  stats = state.stats.record_cycle(
-      active=~state.done,
-      proposed=rules.draft_token_probs(proposal.tokens,
-                                           proposal.probs) > 0,
-      num_accepted=num_accepted,
-      overlap=rules.overlap(proposal.probs, verified.probs)
-  ).count_width(width)
   # Draft i sits at slot lengths - 1 + i already: nothing to move.
-  return _Checked(new_tokens, num_accepted, verified, verified.cache,
-                  proposal.state, stats)
+  return Cycle(new_tokens, num_accepted, proposal, verified, width, None,
+               verified.cache, proposal.state)
 
 
-def _check_tree(key, target, drafter, proposal, state, config) -> _Checked:
+def _resample_tree(key, target, drafter, proposal, tokens, lengths,
+                   config) -> Cycle:
   """Verifies a tree in one pass, accepts a root-to-node path of it
   (`config.resample_tree`) and compacts both caches onto that path."""
   sampling = config.sampling
   with jax.named_scope("verify"):
-    verified = verify(target, proposal.target_cache, state.tokens,
-                      state.lengths, proposal.tokens, sampling,
-                      parents=proposal.parents,
+    verified = verify(target, proposal.target_cache, tokens, lengths,
+                      proposal.tokens, sampling, parents=proposal.parents,
                       hidden_layers=drafter.target_layers)
   with jax.named_scope("resample"):
     new_tokens, num_accepted, path = config.resample_tree(
         key, proposal.tokens, proposal.parents, proposal.probs,
         verified.probs, greedy=sampling.greedy,
         depth=drafter.cycle_shape(config.gamma)[1])
-  # Contexts on the accepted path: the root (0) and node path[i] (i + 1).
   # A tree is verified whole: counted as the widest pass.
-  width = len(_verify_widths(drafter, config)) - 1
-  context = jnp.arange(proposal.probs.shape[1])
-  on_path = (context == 0) | jnp.any(path[..., None] + 1 == context,
-                                     axis=1)  # [B, N+1]
-  stats = state.stats.record(
-      active=~state.done, drafted=proposal.parents != rules.UNUSED,
-      verified=on_path & (proposal.probs.sum(-1) > 0),
-      num_accepted=num_accepted,
-      overlap=rules.overlap(proposal.probs, verified.probs)
-  ).count_width(width)
+  width = jnp.int32(len(_verify_widths(drafter, config)) - 1)
   # Node j sits at slot lengths + j in both caches (the last token at
   # lengths - 1); the path moves to lengths, lengths + 1, ...
   with jax.named_scope("compact"):
-    return _Checked(new_tokens, num_accepted, verified,
-                    verified.cache.compact(state.lengths, path),
-                    drafter.compact(proposal.state, state.lengths, path),
-                    stats)
+    return Cycle(new_tokens, num_accepted, proposal, verified, width, path,
+                 verified.cache.compact(lengths, path),
+                 drafter.compact(proposal.state, lengths, path))
+
+
+def resample_proposal(key, target: Model, drafter: Drafter,
+                      proposal: Proposal, tokens, lengths, active,
+                      config: DecodeConfig) -> Cycle:
+  """The verify and rejection half of a cycle: the target scores a
+  proposal (a chain, or a tree when it has parents) and the decode's rule
+  keeps what the output law allows.
+
+  Args:
+    key: PRNG key of the rejection step.
+    proposal: what `drafter.propose` returned this cycle.
+    tokens: [B, S] every row's sequence; lengths: [B] their lengths.
+    active: [B] bool, the rows still generating (a chain's verify width is
+      chosen from theirs).
+  """
+  if proposal.parents is None:
+    return _resample_chain(key, target, drafter, proposal, tokens, lengths,
+                           active, config)
+  return _resample_tree(key, target, drafter, proposal, tokens, lengths,
+                        config)
+
+
+def speculative_cycle(propose_key, resample_key, target: Model,
+                      drafter: Drafter, draft_state: DraftState,
+                      target_cache: KVCache, tokens, lengths, active,
+                      config: DecodeConfig) -> Cycle:
+  """One propose -> verify -> resample cycle of every row, as the decode
+  loop runs it; `Cycle.advance` then moves both caches past what the row
+  kept. The loop adds only emitting the tokens and counting the cycle, and
+  the harness's timer runs this same function.
+
+  Args:
+    propose_key, resample_key: PRNG keys of the draft and of the rule.
+    draft_state, target_cache: both caches, holding every token of each
+      row's sequence but the last.
+    tokens: [B, S] every row's sequence; lengths: [B] their lengths.
+    active: [B] bool, the rows still generating.
+  """
+  with jax.named_scope("propose"):
+    proposal = drafter.propose(draft_state, target_cache, tokens, lengths,
+                               propose_key, config.gamma, config.sampling)
+  return resample_proposal(resample_key, target, drafter, proposal, tokens,
+                           lengths, active, config)
+
+
+def _count(stats: DecodeStats, cycle: Cycle, active) -> DecodeStats:
+  """The cycle's counts added to the run's."""
+  proposal = cycle.proposal
+  overlap = rules.overlap(proposal.probs, cycle.verified.probs)
+  if cycle.path is None:
+    stats = stats.record_cycle(
+        active=active,
+        proposed=rules.draft_token_probs(proposal.tokens, proposal.probs) > 0,
+        num_accepted=cycle.num_accepted, overlap=overlap)
+  else:
+    # Contexts on the accepted path: the root (0) and node path[i] (i + 1).
+    context = jnp.arange(proposal.probs.shape[1])
+    on_path = (context == 0) | jnp.any(
+        cycle.path[..., None] + 1 == context, axis=1)  # [B, N+1]
+    stats = stats.record(
+        active=active, drafted=proposal.parents != rules.UNUSED,
+        verified=on_path & (proposal.probs.sum(-1) > 0),
+        num_accepted=cycle.num_accepted, overlap=overlap)
+  return stats.count_width(cycle.width)
 
 
 def _speculative_step(
@@ -238,28 +300,18 @@ def _speculative_step(
     prompt_lengths: jax.Array,
     config: DecodeConfig,
 ) -> DecodeState:
-  """One propose -> verify -> resample cycle for every row."""
+  """One cycle for every row, its tokens emitted and counted."""
   key, propose_key, resample_key = jax.random.split(state.key, 3)
-  with jax.named_scope("propose"):
-    proposal = drafter.propose(state.draft_state, state.target_cache,
-                               state.tokens, state.lengths, propose_key,
-                               config.gamma, config.sampling)
-  check = _check_chain if proposal.parents is None else _check_tree
-  checked = check(resample_key, target, drafter, proposal, state, config)
-  tokens, lengths, done = _emit(state, checked.tokens,
-                                checked.num_accepted + 1, prompt_lengths,
-                                config)
-  # Both caches keep every token but the last (see the module docstring).
-  return DecodeState(
-      tokens=tokens,
-      lengths=lengths,
-      done=done,
-      target_cache=checked.target_cache.rollback(lengths - 1),
-      draft_state=drafter.update(checked.draft_state, lengths - 1,
-                                 checked.verified),
-      key=key,
-      stats=checked.stats,
-  )
+  active = ~state.done
+  cycle = speculative_cycle(propose_key, resample_key, target, drafter,
+                            state.draft_state, state.target_cache,
+                            state.tokens, state.lengths, active, config)
+  tokens, lengths, done = _emit(state, cycle.tokens, cycle.num_accepted + 1,
+                                prompt_lengths, config)
+  target_cache, draft_state = cycle.advance(drafter, lengths)
+  return DecodeState(tokens=tokens, lengths=lengths, done=done,
+                     target_cache=target_cache, draft_state=draft_state,
+                     key=key, stats=_count(state.stats, cycle, active))
 
 
 def _initial_state(key, target, drafter, prompts, prompt_lengths,
@@ -350,6 +402,7 @@ def check_inputs(
     raise ValueError(
         f"prompt_lengths up to {prompt_lengths.max()} exceed the padded prompt "
         f"width {prompts.shape[1]}.")
+  _check_token_ids(prompts, prompt_lengths, target.vocab_size)
   needed = int(prompt_lengths.max()) + config.max_new_tokens
   if needed > target.config.max_len:
     raise ValueError(
@@ -359,6 +412,20 @@ def check_inputs(
         "lower max_new_tokens.")
   if drafter is not None:
     drafter.validate(target, needed)
+
+
+def _check_token_ids(prompts: np.ndarray, prompt_lengths: np.ndarray,
+                     vocab_size: int) -> None:
+  """Raises on a prompt token outside [0, vocab_size): a gather on device
+  would clamp it to a valid id and decode silently."""
+  in_prompt = np.arange(prompts.shape[1]) < prompt_lengths[:, None]
+  bad = in_prompt & ((prompts < 0) | (prompts >= vocab_size))
+  if bad.any():
+    row, position = (int(i[0]) for i in np.nonzero(bad))
+    raise ValueError(
+        f"row {row} holds token id {int(prompts[row, position])} at position "
+        f"{position}, outside the target's vocabulary [0, {vocab_size}); "
+        "encode prompts with the target's tokenizer.")
 
 
 def _place(key, prompts, prompt_lengths, mesh):

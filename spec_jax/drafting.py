@@ -123,7 +123,7 @@ class Drafter(Protocol):
               sampling) -> Proposal: ...
 
   def update(self, state, cache_lengths,
-             verified: VerifyOutput | None) -> DraftState: ...
+             verified: VerifyOutput) -> DraftState: ...
 
 
 def check_vocabulary(vocab_size: int, target: Model) -> None:
@@ -138,8 +138,9 @@ DraftFn = Callable[..., tuple[jax.Array, KVCache]]
 
 
 @flax.struct.dataclass
-class _DraftLoop:
-  """The carry of `propose`'s draft loop."""
+class DraftLoop:
+  """The carry of a draft loop that draws one token per step: `propose`'s,
+  and the EAGLE head's (eagle.py), whose cache is its own."""
 
   step: jax.Array  # [] the draft being drawn.
   logits: jax.Array  # [B, V] the draft's logits for it.
@@ -149,14 +150,14 @@ class _DraftLoop:
   drafting: jax.Array  # [B] bool, the row has not stopped (dynamic gamma).
 
   @classmethod
-  def start(cls, logits, cache, gamma: int) -> "_DraftLoop":
+  def start(cls, logits, cache, gamma: int) -> "DraftLoop":
     batch_size, vocab_size = logits.shape
     return cls(step=jnp.zeros((), jnp.int32), logits=logits, cache=cache,
                tokens=jnp.zeros((batch_size, gamma), jnp.int32),
                probs=jnp.zeros((batch_size, gamma, vocab_size), jnp.float32),
                drafting=jnp.ones((batch_size,), bool))
 
-  def draw(self, keys, sampling: Sampling) -> "_DraftLoop":
+  def draw(self, keys, sampling: Sampling) -> "DraftLoop":
     """Samples draft `step`; rows no longer drafting get q = 0 there."""
     probs = sampling.probs(self.logits)
     token = sampling.sample(keys[self.step], probs)
@@ -215,7 +216,7 @@ def propose(
                         positions)
   keys = jax.random.split(key, gamma)
 
-  def draft_step(state: _DraftLoop) -> _DraftLoop:
+  def draft_step(state: DraftLoop) -> DraftLoop:
     state = state.draw(keys, sampling)
     logits, cache = draft(state.tokens[:, state.step, None], state.cache)
     confidence = jax.nn.softmax(logits[:, 0]).max(-1)
@@ -226,6 +227,6 @@ def propose(
   # gamma - 1 steps feed a draft back; the last draft is sampled only.
   state = jax.lax.while_loop(
       lambda state: (state.step < gamma - 1) & jnp.any(state.drafting),
-      draft_step, _DraftLoop.start(logits[:, -1], cache, gamma))
+      draft_step, DraftLoop.start(logits[:, -1], cache, gamma))
   state = state.draw(keys, sampling)
   return state.tokens, state.probs, state.cache

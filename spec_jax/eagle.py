@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.io import files
-from spec_jax.drafting import Proposal, _DraftLoop, check_vocabulary
+from spec_jax.drafting import Proposal, DraftLoop, check_vocabulary
 from spec_jax.kv_cache import KVCache, init_cache
 from spec_jax.model import (Block, Linear, Model, TransformerConfig, _norm,
                             visible_slots)
@@ -289,7 +289,7 @@ class EagleDrafter:
     first_logits = jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0]
     keys = jax.random.split(key, gamma)
 
-    def draft_step(loop: _DraftLoop) -> _DraftLoop:
+    def draft_step(loop: DraftLoop) -> DraftLoop:
       loop = loop.draw(keys, sampling)
       cache, feature = loop.cache
       position = (lengths + loop.step)[:, None]
@@ -300,7 +300,7 @@ class EagleDrafter:
 
     loop = jax.lax.while_loop(
         lambda loop: loop.step < gamma - 1, draft_step,
-        _DraftLoop.start(first_logits, (cache, first_a), gamma))
+        DraftLoop.start(first_logits, (cache, first_a), gamma))
     loop = loop.draw(keys, sampling)
     # Keys from the target's features reach L - 1 now; the drafts' are the
     # head's guesses, overwritten next cycle.
@@ -308,9 +308,8 @@ class EagleDrafter:
     return Proposal(loop.tokens, loop.probs, state, target_cache)
 
   def update(self, state: EagleState, cache_lengths, verified) -> EagleState:
-    if verified is None:  # no verify ran (a propose timed alone): roll back
-      return state.replace(cache=state.cache.rollback(cache_lengths))
     # The pointer moved in propose (see the module docstring).
+    del cache_lengths
     features = self._apply(EagleHead.fuse, verified.hidden)  # [B, G+1, D]
     # The verify ran the last token (position H - 1) and the drafts.
     positions = state.cache.lengths[:, None] - 1 + jnp.arange(

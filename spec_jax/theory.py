@@ -72,15 +72,40 @@ def predicted_speedup(cycle_s, target_step_s, *, ar_steps, sd_cycles,
   return ar_s / sd_s
 
 
+def tokens_per_cycle_from_depth_acceptance(depth_acceptance):
+  """tau = 1 + sum_d a_d, for a chain or a tree.
+
+  a_d = P(a cycle accepts d drafts or more), by depth d = 1..D (a chain's
+  acceptance by position, `DecodeStats.position_acceptance`): a cycle emits
+  one token for every accepted depth and one more from the target.
+  """
+  return 1 + np.sum(np.asarray(depth_acceptance, np.float64), axis=-1)
+
+
+def tokens_per_cycle_from_conditional_acceptance(conditional, gamma: int):
+  """tau = 1 + r_1 + r_1 r_2 + ... + r_1 r_2 ... r_gamma.
+
+  r_k = P(draft k is accepted | drafts 1..k-1 were), by position k (a
+  chain's `DecodeStats.conditional_position_acceptance`, or an EAGLE head's
+  held-out greedy acceptance by draft), so a_d = r_1 ... r_d is the depth
+  acceptance of `tokens_per_cycle_from_depth_acceptance`. Positions past the
+  last rate given are accepted at the last rate. With r_k = alpha for every
+  k this is the i.i.d. model's `expected_tokens_per_cycle`.
+  """
+  rates = np.asarray(conditional, np.float64)
+  beyond = np.repeat(rates[..., -1:], max(0, gamma - rates.shape[-1]), -1)
+  rates = np.concatenate([rates, beyond], -1)[..., :gamma]
+  return tokens_per_cycle_from_depth_acceptance(np.cumprod(rates, -1))
+
+
 def speedup_from_depth_acceptance(depth_acceptance, draft_cost, verify_cost):
   """(1 + sum_d a_d) / (draft_cost + verify_cost), for a chain or a tree.
 
-  a_d = P(a cycle accepts d drafts or more), by depth d = 1..D (a chain's
-  acceptance by position, `DecodeStats.position_acceptance`), so the
-  numerator is tau; draft_cost and verify_cost are the cycle's draft passes
-  and its verify of all N drafts, in target steps. A verify that costs one
-  step whatever N (an accelerator with room to spare) is verify_cost = 1.
+  The numerator is tau (`tokens_per_cycle_from_depth_acceptance`);
+  draft_cost and verify_cost are the cycle's draft passes and its verify of
+  all N drafts, in target steps. A verify that costs one step whatever N (an
+  accelerator with room to spare) is verify_cost = 1.
   """
-  tau = 1 + np.sum(np.asarray(depth_acceptance, np.float64), axis=-1)
-  return tau / (np.asarray(draft_cost) + np.asarray(verify_cost))
+  return tokens_per_cycle_from_depth_acceptance(depth_acceptance) / (
+      np.asarray(draft_cost) + np.asarray(verify_cost))
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from experiments.harness import batch_scaling
+from experiments.harness import batch_scaling, timing
 from conftest import run_module
 
 
@@ -25,7 +25,7 @@ def made_up_row(batch_size, temperature=0.0, verify_s=0.002,
            "cycle_s": verify_s + 0.4 * target_step_s,
            "target_step_s": target_step_s, "target_prefill_s": 0.01,
            "draft_prefill_s": 0.001}
-  return batch_scaling.row_of(batch_size, run, parts)
+  return batch_scaling.row_of(batch_size, run, timing.Costs(**parts))
 
 
 def test_row_sets_the_verify_cost_beside_gamma_plus_1_and_the_break_even():
@@ -33,7 +33,7 @@ def test_row_sets_the_verify_cost_beside_gamma_plus_1_and_the_break_even():
   assert row["batch_size"] == 8 and row["speedup"] == pytest.approx(2.0)
   assert row["verify_cost_ratio"] == pytest.approx(2.0)
   assert row["verify_over_gamma_plus_1"] == pytest.approx(2.0 / 5)
-  assert row["draft_cost_ratio_c"] == pytest.approx(0.1)
+  assert row["draft_cost_ratio"] == pytest.approx(0.1)
   assert row["target_step_s_per_row"] == pytest.approx(0.002 / 8)
   # SD pays while the verify costs less than the AR steps a loop cycle
   # replaces (100 / 30), less gamma c.
@@ -79,11 +79,11 @@ def test_smoke_run_writes_the_json_and_the_plot(tmp_path):
       (0, 1), (0, 2), (1, 1), (1, 2)]
   for row in rows:
     assert {"speedup", "predicted_speedup_iid", "predicted_speedup",
-            "tokens_per_cycle", "verify_cost_ratio", "draft_cost_ratio_c",
+            "tokens_per_cycle", "verify_cost_ratio", "draft_cost_ratio",
             "target_step_s", "verify_over_gamma_plus_1",
             "break_even_verify_cost"} <= set(row)
     assert row["tokens_per_cycle"] >= 1 and row["speedup"] > 0
-    assert row["verify_cost_ratio"] > 0 and row["draft_cost_ratio_c"] > 0
+    assert row["verify_cost_ratio"] > 0 and row["draft_cost_ratio"] > 0
     assert row["speedup"] == pytest.approx(
         row["sd_tokens_per_s"] / row["ar_tokens_per_s"])
   assert set(report["crossover"]) == {"measured", "predicted"}

@@ -127,3 +127,26 @@ def test_bad_input_raises_before_compiling(pair):
   with pytest.raises(ValueError, match="top_k"):
     bad_call(pair, sampling=sj.Sampling(top_k=-2))
   assert sj.decoding.generate_jit._cache_size() == compiled
+
+
+def test_token_id_outside_the_vocabulary_is_refused(pair):
+  """A gather would clamp the id and decode silently; both loops refuse it
+  before compiling, naming the id and its row."""
+  target, _ = pair
+  compiled = (sj.decoding.generate_jit._cache_size(),
+              sj.decoding.generate_autoregressive_jit._cache_size())
+  vocab = target.vocab_size
+  for bad_id in (vocab, 99999, -3):
+    with pytest.raises(ValueError, match=rf"row 1 holds token id {bad_id} "):
+      bad_call(pair, prompts=[[1, 2], [3, bad_id, 4]])
+  with pytest.raises(ValueError, match=rf"token id {vocab} .*\[0, {vocab}\)"):
+    sj.generate_autoregressive(jax.random.key(0), target,
+                               *sj.pad_prompts([[vocab]]),
+                               sj.DecodeConfig(max_new_tokens=4))
+  assert (sj.decoding.generate_jit._cache_size(),
+          sj.decoding.generate_autoregressive_jit._cache_size()) == compiled
+  # Padding past a row's length is not read as a prompt token.
+  prompts, lengths = sj.pad_prompts([[1, 2], [3]])
+  prompts[1, 1:] = vocab
+  sj.decoding.check_inputs(target, prompts, lengths,
+                           sj.DecodeConfig(max_new_tokens=4))

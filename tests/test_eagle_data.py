@@ -50,8 +50,8 @@ def test_distilled_rows_are_greedy_replies_with_the_forward_features(
   padded, lengths = sj.pad_prompts(prompts)
   greedy = sj.generate_autoregressive(
       jax.random.key(0), bundle.model, padded, lengths,
-      bundle.decode_config(max_new_tokens=12,
-                           sampling=sj.Sampling(temperature=0)))
+      sj.DecodeConfig(eos_id=bundle.stop_ids or None, max_new_tokens=12,
+                      sampling=sj.Sampling(temperature=0)))
   logits, _, hidden = bundle.model.forward(
       jnp.asarray(distilled.tokens),
       bundle.model.init_cache(*distilled.tokens.shape), hidden_layers=LAYERS)

@@ -10,8 +10,10 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="GGUF tests need `pip install gguf`")
 
 import spec_jax as sj
+from spec_jax.io import families
 from spec_jax.io import gguf as sj_gguf
 from spec_jax.io import hf
+from test_hf import tiny_config
 
 # A byte-level vocabulary: the 256 byte symbols, two merges, two chat tokens.
 SPELLING = sj_gguf._bytes_to_unicode()  # pylint: disable=protected-access
@@ -38,11 +40,27 @@ def _permute(weight, heads):
           .swapaxes(1, 2).reshape(weight.shape))
 
 
+def _gguf_names(layout):
+  """HF tensor name -> GGUF name, from the family's layout and llama.cpp's
+  names in gguf.py."""
+  # pylint: disable=protected-access
+  names = {layout.top[ours]: theirs
+           for theirs, ours in sj_gguf._TOP.items() if ours in layout.top}
+  for theirs, (ours, place) in sj_gguf._BLOCK.items():
+    if ours in layout.blocks:
+      names[layout.blocks[ours][place]] = theirs
+  return names
+
+
 def write_gguf(path, model, arch="llama", tensor_type="F32", extra=None):
-  """model as llama.cpp's converter writes it: GGUF names, llama's q/k rows
-  permuted, tensors of `tensor_type` (norms stay F32, as llama.cpp keeps
-  them)."""
+  """model as llama.cpp's converter writes it: GGUF names, q/k rows permuted
+  where the architecture's record says so, Gemma norms stored as 1 + w,
+  tensors of `tensor_type` (norms stay F32, as llama.cpp keeps them)."""
   cfg = model.config
+  family = hf.family_of(cfg)
+  record = {f.gguf.architecture: f.gguf for f in families.FAMILIES
+            if f.gguf}.get(arch)
+  permuted = record is not None and record.permuted_qk
   writer = gguf.GGUFWriter(str(path), arch)
   writer.add_block_count(cfg.num_layers)
   writer.add_context_length(cfg.max_len)
@@ -50,8 +68,12 @@ def write_gguf(path, model, arch="llama", tensor_type="F32", extra=None):
   writer.add_feed_forward_length(cfg.d_ff)
   writer.add_head_count(cfg.num_heads)
   writer.add_head_count_kv(cfg.num_kv_heads)
+  writer.add_key_length(cfg.head_dim)
+  writer.add_value_length(cfg.head_dim)
   writer.add_layer_norm_rms_eps(cfg.norm_eps)
   writer.add_rope_freq_base(cfg.rope_theta)
+  for field, name in (record.keys if record else {}).items():
+    writer.add_uint32(f"{arch}.{name}", getattr(cfg, field))
   writer.add_tokenizer_model("gpt2")
   writer.add_tokenizer_pre("default")
   writer.add_token_list(TOKENS)
@@ -59,23 +81,24 @@ def write_gguf(path, model, arch="llama", tensor_type="F32", extra=None):
   writer.add_token_merges(["h e", "he l"])
   writer.add_eos_token_id(len(TOKENS) - 1)
   writer.add_chat_template(TEMPLATE)
-  names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
-           "lm_head": "output"}
-  # pylint: disable-next=protected-access
-  block = {v: k for k, v in sj_gguf._BLOCK.items()}
+  names = _gguf_names(family.layout)
+  prefixes = [family.layout.block.format(i=i) for i in range(cfg.num_layers)]
   quant = gguf.GGMLQuantizationType[tensor_type]
   for name, value in hf.params_to_hf(model.params, cfg).items():
     value = np.asarray(value, np.float32)
     stem, suffix = name.rsplit(".", 1)
-    if stem.startswith("model.layers."):
-      _, _, index, rest = stem.split(".", 3)
-      gguf_name = f"blk.{index}.{block[rest]}.{suffix}"
+    block = [i for i, prefix in enumerate(prefixes) if stem.startswith(prefix)]
+    if block:
+      stem = stem.removeprefix(prefixes[block[0]])
+      gguf_name = f"blk.{block[0]}.{names[stem]}.{suffix}"
     else:
       gguf_name = f"{names[stem]}.{suffix}"
-    if arch == "llama" and ".attn_q." in gguf_name:
+    if permuted and ".attn_q." in gguf_name:
       value = _permute(value, cfg.num_heads)
-    elif arch == "llama" and ".attn_k." in gguf_name:
+    elif permuted and ".attn_k." in gguf_name:
       value = _permute(value, cfg.num_kv_heads)
+    elif cfg.norm == "gemma_rms" and gguf_name.endswith("norm.weight"):
+      value = value + 1
     if value.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
       writer.add_tensor(gguf_name, gguf.quants.quantize(value, quant),
                         raw_dtype=quant)
@@ -88,6 +111,21 @@ def write_gguf(path, model, arch="llama", tensor_type="F32", extra=None):
   writer.write_tensors_to_file()
   writer.close()
   return path
+
+
+@pytest.mark.parametrize(
+    "family", [family for family in families.FAMILIES if family.gguf],
+    ids=lambda family: family.gguf.architecture)
+def test_every_gguf_family_round_trips_through_its_record(tmp_path, family):
+  """Each record's GGUF names are what load_gguf reads: a tiny model of the
+  family, written as llama.cpp would, loads back exactly, config and
+  parameters, and reads as the family's config.json does."""
+  model = sj.Model.init(tiny_config(family), jax.random.key(0))
+  loaded = sj_gguf.load_gguf(write_gguf(tmp_path / "m.gguf", model,
+                                        family.gguf.architecture)).model
+  assert loaded.config == model.config
+  assert hf.family_of(loaded.config) is family
+  jax.tree.map(np.testing.assert_array_equal, loaded.params, model.params)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -1,6 +1,7 @@
 """Hugging Face folders without torch: config styles, export and re-import,
 sharded weights, grouped-query caches, and clear errors."""
 
+import dataclasses
 import json
 import sys
 
@@ -13,6 +14,7 @@ import spec_jax as sj
 from experiments.harness import loading
 from spec_jax import sharding
 from spec_jax.io import checkpoint
+from spec_jax.io import families
 from spec_jax.io import hf
 from spec_jax.io import pretrained
 
@@ -27,6 +29,22 @@ LLAMA_NEW_STYLE = {
                         "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 32},
 }
+
+
+# Values of the TransformerConfig fields a family's config.json may hold;
+# each family's own keys pick theirs. norm_eps is exact in float32 (GGUF's),
+# query_pre_attn_scalar is head_dim (what llama.cpp hard-codes for Gemma 3),
+# the window is shorter than the sequences.
+TINY = dict(vocab_size=260, d_model=64, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=16, d_ff=48, max_len=64,
+            norm_eps=2.0**-17, sliding_window=8, query_pre_attn_scalar=16)
+
+
+def tiny_config(family: families.Family) -> sj.TransformerConfig:
+  """The config of a tiny config.json of the family, built from its record."""
+  return hf.config_from_hf({"model_type": family.model_type, **{
+      key: TINY[field] for field, (key, _) in family.keys.items()
+      if field in TINY}})
 
 
 def llama_config():
@@ -55,6 +73,34 @@ def test_old_and_new_rope_keys_read_alike():
 def test_unsupported_features_are_refused(change, message):
   with pytest.raises(ValueError, match=message):
     hf.config_from_hf(dict(LLAMA_NEW_STYLE, **change))
+
+
+@pytest.mark.parametrize("family", families.FAMILIES,
+                         ids=lambda family: family.model_type)
+def test_every_family_round_trips_through_its_record(family):
+  """Each record is what reading and writing use: a tiny config.json of the
+  family reads into a config that is saved as that family and reads back the
+  same, and its parameters go to the record's tensor names and back."""
+  config = tiny_config(family)
+  assert hf.family_of(config) is family
+  written = hf.config_to_hf(config)
+  assert written["model_type"] == family.model_type
+  assert written["architectures"] == [family.architecture]
+  assert hf.config_from_hf(written) == config
+  model = sj.Model.init(config, jax.random.key(0))
+  tensors = hf.params_to_hf(model.params, config)
+  layout = family.layout
+  assert all(name.startswith((layout.block.format(i=0),
+                              layout.block.format(i=1), *layout.top.values()))
+             for name in tensors)
+  jax.tree.map(np.testing.assert_array_equal,
+               hf.params_from_hf(tensors, config), model.params)
+
+
+def test_a_config_no_family_holds_is_refused_with_the_families():
+  config = dataclasses.replace(llama_config(), post_norms=True)
+  with pytest.raises(ValueError, match="save_hf writes gpt2, llama, qwen2"):
+    hf.config_to_hf(config)
 
 
 def test_cache_holds_only_the_key_value_heads():

@@ -67,7 +67,7 @@ def hf_pair(request, tmp_path_factory):
 def test_logits_match_transformers(hf_pair):
   family, torch_model, folder = hf_pair
   model = hf.load_hf(folder).model
-  assert hf.family(model.config) == family
+  assert hf.family_of(model.config).model_type == family
   np.testing.assert_allclose(np.asarray(sj.score(model, TOKENS)),
                              _torch_logits(torch_model, TOKENS),
                              atol=1e-4, rtol=0)

@@ -57,3 +57,32 @@ def test_predicted_speedup_is_the_ratio_of_predicted_times():
       15e-3, 10e-3, ar_steps=100, sd_cycles=25, num_prefills=2,
       target_prefill_s=30e-3, draft_prefill_s=5e-3) == pytest.approx(
           1.06 / 0.445)
+
+
+def test_tokens_per_cycle_from_conditional_acceptance_by_enumeration():
+  # Draft k is accepted with r_k once drafts 1..k-1 were; a cycle that
+  # accepts exactly k of gamma drafts emits k + 1 tokens.
+  conditional, gamma = [0.9, 0.7, 0.5], 5
+  rates = conditional + [conditional[-1]] * (gamma - len(conditional))
+  expected, reach = 0.0, 1.0
+  for k in range(gamma + 1):
+    stop = 1 - rates[k] if k < gamma else 1.0
+    expected += (k + 1) * reach * stop
+    if k < gamma:
+      reach *= rates[k]
+  assert theory.tokens_per_cycle_from_conditional_acceptance(
+      conditional, gamma) == pytest.approx(expected)
+  # Fewer positions than rates: the first gamma only.
+  assert theory.tokens_per_cycle_from_conditional_acceptance(
+      conditional, 2) == pytest.approx(1 + 0.9 + 0.9 * 0.7)
+  # The same rate at every position is the i.i.d. model.
+  assert theory.tokens_per_cycle_from_conditional_acceptance(
+      [0.6], 4) == pytest.approx(theory.expected_tokens_per_cycle(0.6, 4))
+
+
+def test_speedup_from_depth_acceptance_is_tau_over_the_cycle_cost():
+  depth_acceptance = [0.8, 0.5]
+  tau = theory.tokens_per_cycle_from_depth_acceptance(depth_acceptance)
+  assert tau == pytest.approx(2.3)
+  assert theory.speedup_from_depth_acceptance(
+      depth_acceptance, 0.2, 1.5) == pytest.approx(2.3 / 1.7)

@@ -59,3 +59,31 @@ def test_cycle_and_target_timers_give_positive_times():
   assert set(times) == {"draft_step_s", "verify_s", "cycle_s",
                         "draft_prefill_s", "target_step_s", "target_prefill_s"}
   assert all(t > 0 for t in times.values()), times
+
+
+def test_costs_are_the_parts_over_a_target_step():
+  costs = timing.Costs(draft_step_s=0.5e-3, verify_s=3e-3, cycle_s=6e-3,
+                       draft_prefill_s=1e-3, target_step_s=2e-3,
+                       target_prefill_s=5e-3)
+  assert costs.draft_cost_ratio == pytest.approx(0.25)
+  assert costs.verify_cost_ratio == pytest.approx(1.5)
+  assert costs.cycle_cost_ratio == pytest.approx(3.0)
+  row = costs.as_row()
+  assert row == {"draft_cost_ratio": costs.draft_cost_ratio,
+                 "verify_cost_ratio": costs.verify_cost_ratio,
+                 "cycle_cost_ratio": costs.cycle_cost_ratio,
+                 "draft_step_s": 0.5e-3, "verify_s": 3e-3, "cycle_s": 6e-3,
+                 "draft_prefill_s": 1e-3, "target_step_s": 2e-3,
+                 "target_prefill_s": 5e-3}
+  # A step and a verify alone, as bench_step times them.
+  assert timing.Costs(verify_s=3e-3,
+                      target_step_s=2e-3).verify_cost_ratio == 1.5
+
+
+def test_speedup_over_ar_uses_the_ar_time_given():
+  # AR decoded 200 tokens in 2 s (the pooled time, not the run's own 1 s);
+  # SD ran at 250 tokens/s.
+  run = {"ar": {"new_tokens": 200, "wall_s": 1.0},
+         "sd": {"tokens_per_s": 250.0}}
+  assert timing.speedup_over_ar(run, 2.0) == {"ar_tokens_per_s": 100.0,
+                                              "speedup": 2.5}

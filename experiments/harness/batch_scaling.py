@@ -3,9 +3,10 @@ batch grows, and why.
 
 For every (temperature, batch size) the ablation runs AR and SD side by side
 on the same prompts and times the loop's parts at that batch between their
-batches (`gamma_sweep.measure_row`, as the gamma sweep does): a target step, a draft
-step (c = draft step / target step) and a verify of gamma + 1 tokens with its
-rejection step (v = verify / target step). Beside the measured speedup it sets
+batches (`gamma_sweep.measure_row`, as the gamma sweep does): a target step,
+a draft step (c = draft step / target step) and a verify of gamma + 1 tokens
+with its rejection step (v = verify / target step; both `timing.Costs`).
+Beside the measured speedup it sets
 
   predicted        tau_iid(alpha) / (gamma c + v), the i.i.d. model at the
                    measured alpha, c and v (`theory`);
@@ -43,12 +44,12 @@ from spec_jax.decoding import pad_prompts
 _log = logging.getLogger(__name__)
 
 
-def row_of(batch_size: int, run: dict, parts: dict) -> dict:
-  """One ablation row: the sweep's measured-vs-predicted row (`gamma_sweep.row_of`,
-  AR time from this row's own runs) and the batch-scaling columns."""
-  row = gamma_sweep.row_of(run, parts, run["ar"]["wall_s"])
-  gamma, c = row["gamma"], row["draft_cost_ratio_c"]
-  verify_cost = row["verify_cost_ratio"]
+def row_of(batch_size: int, run: dict, costs: timing.Costs) -> dict:
+  """One ablation row: the sweep's measured-vs-predicted row
+  (`gamma_sweep.row_of`, AR time from this row's own runs) and the
+  batch-scaling columns."""
+  row = gamma_sweep.row_of(run, costs, run["ar"]["wall_s"])
+  gamma, c = row["gamma"], costs.draft_cost_ratio
   # What one loop cycle replaces: at batch 1 about tau; below it when rows
   # accept different numbers of drafts and the loop waits for the slowest.
   ar_steps_per_cycle = run["ar"]["steps"] / max(run["sd"]["cycles"], 1)
@@ -57,10 +58,10 @@ def row_of(batch_size: int, run: dict, parts: dict) -> dict:
       **row,
       # 1 when a verify of gamma + 1 tokens costs gamma + 1 steps: the step
       # is compute-bound and verifying in one pass saves nothing.
-      "verify_over_gamma_plus_1": verify_cost / (gamma + 1),
+      "verify_over_gamma_plus_1": costs.verify_cost_ratio / (gamma + 1),
       # Falls with the batch while a step is memory-bound, flat once it is
       # compute-bound.
-      "target_step_s_per_row": parts["target_step_s"] / batch_size,
+      "target_step_s_per_row": costs.target_step_s / batch_size,
       "predicted_speedup_flat_verify": float(
           theory.expected_speedup_with_verify_cost(row["alpha_min_pq"], gamma,
                                                    c, 1.0)),
@@ -115,13 +116,13 @@ def batch_scaling(config: ml_collections.ConfigDict, loaded: loading.Loaded,
           at_batch, config.gamma, temperature, loaded, prompts, width,
           max_len, target_timer, target_every=1, min_rounds=config.rounds)
       rows.append(row_of(batch_size, run,
-                         {**parts, **target_timer.seconds()}))
+                         timing.Costs(**parts, **target_timer.seconds())))
       row, elapsed = rows[-1], time.perf_counter() - start
       _log.info(
           "[%d/%d] T=%g batch=%2d: tau %.2f, c %.3f, verify/step %.2f, "
           "speedup %.2fx (predicted %.2fx) | %.0f s, ETA %.0f s", len(rows),
           total, temperature, batch_size, row["tokens_per_cycle"],
-          row["draft_cost_ratio_c"], row["verify_cost_ratio"], row["speedup"],
+          row["draft_cost_ratio"], row["verify_cost_ratio"], row["speedup"],
           row["predicted_speedup_iid"], elapsed,
           elapsed / len(rows) * (total - len(rows)))
   return {"rows": rows,
@@ -138,7 +139,7 @@ def format_table(rows: list[dict]) -> str:
     lines.append(
         f"{r['temperature']:>3g} {r['batch_size']:>5d} "
         f"{r['alpha_min_pq']:>6.3f} {r['tokens_per_cycle']:>5.2f} "
-        f"{r['draft_cost_ratio_c']:>6.3f} {r['verify_cost_ratio']:>6.2f} "
+        f"{r['draft_cost_ratio']:>6.3f} {r['verify_cost_ratio']:>6.2f} "
         f"{r['verify_over_gamma_plus_1']:>6.2f} "
         f"{1e3 * r['target_step_s']:>7.2f} "
         f"{1e3 * r['target_step_s_per_row']:>6.3f} "

@@ -30,10 +30,8 @@ def _variants(config: ml_collections.ConfigDict):
                           else dict(overrides))
 
 
-def _row(name, variant, overrides, run, parts) -> dict:
+def _row(name, variant, overrides, run, costs: timing.Costs) -> dict:
   sd = run["sd"]
-  c = parts["draft_step_s"] / parts["target_step_s"]
-  v = parts["verify_s"] / parts["target_step_s"]
   depth = len(sd["position_acceptance"])
   return {
       "variant": name, "drafter": variant.drafter, "gamma": run["gamma"],
@@ -42,9 +40,10 @@ def _row(name, variant, overrides, run, parts) -> dict:
       "acceptance_rate": sd["acceptance_rate"],
       "tokens_per_cycle": sd["tokens_per_cycle"],
       "position_acceptance": sd["position_acceptance"],
-      "draft_step_over_target_step": c, "verify_over_target_step": v,
+      **costs.as_row(),
       "predicted_speedup": float(theory.speedup_from_depth_acceptance(
-          sd["position_acceptance"], depth * c, v)),
+          sd["position_acceptance"], depth * costs.draft_cost_ratio,
+          costs.verify_cost_ratio)),
       "ar_tokens_per_s": run["ar"]["tokens_per_s"],
       "sd_tokens_per_s": sd["tokens_per_s"], "speedup": run["speedup"],
       "overrides": overrides}
@@ -70,13 +69,13 @@ def compare_drafters(config: ml_collections.ConfigDict) -> list[dict]:
                                      loaded, prompts, width, max_len,
                                      target_timer)
       row = _row(name, variant, overrides, run,
-                 {**parts, **target_timer.seconds()})
+                 timing.Costs(**parts, **target_timer.seconds()))
       result.append(row)
       _log.info("[%d/%d] %s, T=%g: alpha %.3f, tau %.2f, c %.3f, verify "
                 "%.2f steps, speedup %.2fx (predicted %.2fx)", index + 1,
                 len(variants), name, temperature, row["alpha_min_pq"],
-                row["tokens_per_cycle"], row["draft_step_over_target_step"],
-                row["verify_over_target_step"], row["speedup"],
+                row["tokens_per_cycle"], row["draft_cost_ratio"],
+                row["verify_cost_ratio"], row["speedup"],
                 row["predicted_speedup"])
   return result
 
@@ -92,8 +91,8 @@ def format_table(result: list[dict]) -> str:
     lines.append(
         f"{r['variant']:<{width}} {r['temperature']:>3g} {r['gamma']:>5d} "
         f"{r['alpha_min_pq']:>6.3f} {r['tokens_per_cycle']:>5.2f} "
-        f"{r['draft_step_over_target_step']:>6.3f} "
-        f"{r['verify_over_target_step']:>6.2f} "
+        f"{r['draft_cost_ratio']:>6.3f} "
+        f"{r['verify_cost_ratio']:>6.2f} "
         f"{r['ar_tokens_per_s']:>8.1f} {r['sd_tokens_per_s']:>8.1f} "
         f"{r['speedup']:>6.2f}x {r['predicted_speedup']:>5.2f}x  "
         f"{by_position}")

@@ -17,7 +17,6 @@ from spec_jax.decoding import DecodeConfig
 from spec_jax.draft_tree import TreeTemplate
 from spec_jax.sampling import Sampling
 
-DRAFTERS = ("model", "ngram", "layer_skip", "eagle")
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 # config.verification -> the decode's rule for a chain (`DecodeConfig.resample`).
 RESAMPLERS = {"token": rules.resample, "block": rules.resample_block}
@@ -120,13 +119,19 @@ def _ints(values, name: str) -> tuple[int, ...]:
   return tuple(result)
 
 
-def gammas(config: ml_collections.ConfigDict) -> tuple[int, ...]:
-  """config.gammas as ints >= 1."""
-  values = _ints(config.gammas, "gammas")
+def _positive_ints(config: ml_collections.ConfigDict, name: str, what: str,
+                   example: str) -> tuple[int, ...]:
+  """config[name], a list field of `what`, as ints >= 1."""
+  values = _ints(config[name], name)
   if min(values) < 1:
-    raise ValueError(f"gammas={config.gammas!r}: give gammas >= 1, e.g. "
-                     "--config.gammas=1,2,4,8.")
+    raise ValueError(f"{name}={config[name]!r}: give {what} >= 1, e.g. "
+                     f"--config.{name}={example}.")
   return values
+
+
+def gammas(config: ml_collections.ConfigDict) -> tuple[int, ...]:
+  """config.gammas (the gamma sweep's) as ints >= 1."""
+  return _positive_ints(config, "gammas", "gammas", "1,2,4,8")
 
 
 def temperatures(config: ml_collections.ConfigDict) -> tuple[float, ...]:
@@ -156,19 +161,12 @@ def decode_config(config: ml_collections.ConfigDict, temperature: float, *,
 
 def chains(config: ml_collections.ConfigDict) -> tuple[int, ...]:
   """config.chains (the tree ablation's chain lengths) as ints >= 1."""
-  values = _ints(config.chains, "chains")
-  if min(values) < 1:
-    raise ValueError(f"chains={config.chains!r}: give gammas >= 1.")
-  return values
+  return _positive_ints(config, "chains", "gammas", "1,4,8")
 
 
 def batch_sizes(config: ml_collections.ConfigDict) -> tuple[int, ...]:
   """config.batch_sizes (the batch-scaling ablation's) as ints >= 1."""
-  values = _ints(config.batch_sizes, "batch_sizes")
-  if min(values) < 1:
-    raise ValueError(f"batch_sizes={config.batch_sizes!r}: give batch sizes "
-                     ">= 1, e.g. --config.batch_sizes=1,8,32.")
-  return values
+  return _positive_ints(config, "batch_sizes", "batch sizes", "1,8,32")
 
 
 def tree(config: ml_collections.ConfigDict) -> tuple[int, ...]:
@@ -179,8 +177,6 @@ def tree(config: ml_collections.ConfigDict) -> tuple[int, ...]:
 def check(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError, before anything loads, on settings that cannot
   work."""
-  if config.drafter not in DRAFTERS:
-    raise ValueError(f"drafter={config.drafter!r}: choose one of {DRAFTERS}.")
   if config.verification not in RESAMPLERS:
     raise ValueError(f"verification={config.verification!r}: choose one of "
                      f"{tuple(RESAMPLERS)}.")

@@ -119,8 +119,8 @@ def user_requests(bundle: ModelBundle, num: int, folder, *, max_tokens: int,
   header = bundle.tokenizer.encode(template[:template.index(marker)],
                                    add_special_tokens=False).ids
   padded, lengths = decoding.pad_prompts([header] * batch_size)
-  config = bundle.decode_config(
-      max_new_tokens=max_tokens,
+  config = decoding.DecodeConfig(
+      eos_id=bundle.stop_ids or None, max_new_tokens=max_tokens,
       sampling=decoding.Sampling(temperature=1.0))
   folder = pathlib.Path(folder)
   folder.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ import time
 import ml_collections
 import numpy as np
 
-from experiments.harness import compare, loading, timing
+from experiments.harness import compare, loading, records, timing
 from experiments.harness import config as config_lib
 from spec_jax import theory
 from spec_jax.decoding import pad_prompts
@@ -34,39 +34,36 @@ from spec_jax.decoding import pad_prompts
 _log = logging.getLogger(__name__)
 
 
-def _predictions(run: dict, parts: dict) -> dict:
+def _predictions(run: dict, costs: timing.Costs) -> dict:
   """The same work the measured runs did, priced at the component times:
   with the cycle timed whole (what the loop body costs), and from its parts
   (what gamma draft steps and a verify cost alone)."""
-  parts_cycle_s = run["gamma"] * parts["draft_step_s"] + parts["verify_s"]
+  parts_cycle_s = run["gamma"] * costs.draft_step_s + costs.verify_s
   work = dict(ar_steps=run["ar"]["steps"], sd_cycles=run["sd"]["cycles"],
               num_prefills=run["num_batches"],
-              target_prefill_s=parts["target_prefill_s"],
-              draft_prefill_s=parts["draft_prefill_s"])
+              target_prefill_s=costs.target_prefill_s,
+              draft_prefill_s=costs.draft_prefill_s)
   return {
       "predicted_speedup": float(theory.predicted_speedup(
-          parts["cycle_s"], parts["target_step_s"], **work)),
+          costs.cycle_s, costs.target_step_s, **work)),
       "predicted_speedup_from_parts": float(theory.predicted_speedup(
-          parts_cycle_s, parts["target_step_s"], **work)),
+          parts_cycle_s, costs.target_step_s, **work)),
       # What alternating the two models costs beyond their isolated times.
-      "cycle_over_parts": parts["cycle_s"] / parts_cycle_s,
+      "cycle_over_parts": costs.cycle_s / parts_cycle_s,
   }
 
 
-def row_of(run: dict, parts: dict, ar_seconds: float) -> dict:
-  """One sweep row from a `compare` RUN, the component times and the AR time
+def row_of(run: dict, costs: timing.Costs, ar_seconds: float) -> dict:
+  """One sweep row from a `compare` RUN, the component costs and the AR time
   (pooled over the temperature's rows in the sweep): measured tau and
   speedup beside their predictions."""
   gamma, sd = run["gamma"], run["sd"]
   alpha = sd["mean_overlap"]
-  ar_tokens_per_s = run["ar"]["new_tokens"] / ar_seconds
-  speedup = sd["tokens_per_s"] / ar_tokens_per_s
+  measured = timing.speedup_over_ar(run, ar_seconds)
   # What the cycles really emitted, after EOS and max_new_tokens cut the last
   # one short.
   emitted_per_cycle = sd["new_tokens"] / max(sd["row_cycles"], 1)
-  c = parts["draft_step_s"] / parts["target_step_s"]
-  verify_cost = parts["verify_s"] / parts["target_step_s"]
-  predictions = _predictions(run, parts)
+  predictions = _predictions(run, costs)
   return {
       "gamma": gamma,
       "temperature": run["temperature"],
@@ -76,20 +73,18 @@ def row_of(run: dict, parts: dict, ar_seconds: float) -> dict:
       "predicted_tokens_per_cycle_iid": float(
           theory.expected_tokens_per_cycle(alpha, gamma)),
       "emitted_tokens_per_cycle": emitted_per_cycle,
-      "draft_cost_ratio_c": c,
-      "verify_cost_ratio": verify_cost,
-      **parts,
-      "ar_tokens_per_s": ar_tokens_per_s,
+      **costs.as_row(),
+      **measured,
       # This row's own AR runs, before pooling.
       "ar_tokens_per_s_row": run["ar"]["tokens_per_s"],
       "sd_tokens_per_s": sd["tokens_per_s"],
-      "speedup": speedup,
       **predictions,
-      "measured_over_predicted": speedup / predictions["predicted_speedup"],
+      "measured_over_predicted":
+          measured["speedup"] / predictions["predicted_speedup"],
       # The paper's model: i.i.d. acceptance at the measured alpha, with the
       # measured c and verify cost.
       "predicted_speedup_iid": float(theory.expected_speedup_with_verify_cost(
-          alpha, gamma, c, verify_cost)),
+          alpha, gamma, costs.draft_cost_ratio, costs.verify_cost_ratio)),
       # Fraction of row-cycles that accepted the draft at position i
       # (1-based), and P(accept i | the drafts before it were accepted).
       "accepted_per_position": sd["position_acceptance"],
@@ -179,7 +174,7 @@ def gamma_sweep(config: ml_collections.ConfigDict, loaded: loading.Loaded,
           run["speedup"], elapsed, elapsed / done * (total - done))
     ar_seconds = float(np.median([run["ar"]["wall_s"] for run, _ in runs]))
     target_parts = target_timer.seconds()
-    rows.extend(row_of(run, {**parts, **target_parts}, ar_seconds)
+    rows.extend(row_of(run, timing.Costs(**parts, **target_parts), ar_seconds)
                 for run, parts in runs)
   return {"rows": rows,
           "best_gamma_measured": _best(rows, "speedup"),
@@ -187,16 +182,12 @@ def gamma_sweep(config: ml_collections.ConfigDict, loaded: loading.Loaded,
 
 
 def format_table(rows: list[dict]) -> str:
-  lines = [f"{'T':>3} {'gamma':>5} {'alpha':>6} {'tau':>5} {'tau iid':>7} "
-           f"{'c':>6} {'verify':>6} {'AR tok/s':>8} {'SD tok/s':>8} "
-           f"{'speedup':>7} {'predicted':>9} {'ratio':>5}"]
-  for r in rows:
-    lines.append(
-        f"{r['temperature']:>3g} {r['gamma']:>5d} {r['alpha_min_pq']:>6.3f} "
-        f"{r['tokens_per_cycle']:>5.2f} "
-        f"{r['predicted_tokens_per_cycle_iid']:>7.2f} "
-        f"{r['draft_cost_ratio_c']:>6.3f} {r['verify_cost_ratio']:>6.2f} "
-        f"{r['ar_tokens_per_s']:>8.1f} {r['sd_tokens_per_s']:>8.1f} "
-        f"{r['speedup']:>6.2f}x {r['predicted_speedup']:>8.2f}x "
-        f"{r['measured_over_predicted']:>5.2f}")
-  return "\n".join(lines)
+  return records.text_table(rows, [
+      ("T", "{temperature:g}"), ("gamma", "{gamma:d}"),
+      ("alpha", "{alpha_min_pq:.3f}"), ("tau", "{tokens_per_cycle:.2f}"),
+      ("tau iid", "{predicted_tokens_per_cycle_iid:.2f}"),
+      ("c", "{draft_cost_ratio:.3f}"), ("verify", "{verify_cost_ratio:.2f}"),
+      ("AR tok/s", "{ar_tokens_per_s:.1f}"),
+      ("SD tok/s", "{sd_tokens_per_s:.1f}"), ("speedup", "{speedup:.2f}x"),
+      ("predicted", "{predicted_speedup:.2f}x"),
+      ("ratio", "{measured_over_predicted:.2f}")])

@@ -106,30 +106,36 @@ class Loaded:
             f"{self.drafter.describe()}")
 
 
-def make_drafter(config: ml_collections.ConfigDict, target, draft=None):
-  """The drafter config.drafter names, with its sub-config.
-
-  model: the draft model (config.draft), dynamic gamma when
-    config.confidence_threshold > 0, or a tree of config.tree's shape;
-  ngram: prompt lookup with config.ngram.max_n / min_n;
-  layer_skip: the target's first config.layer_skip.num_layers layers, dynamic
-    gamma as for model;
-  eagle: the EAGLE head at config.eagle, drafting from the target's features.
-  """
-  if config.drafter == "model" and config_lib.tree(config):
+def _model_drafter(config: ml_collections.ConfigDict, target, draft):
+  """The draft model, dynamic gamma when config.confidence_threshold > 0, or
+  a tree of config.tree's shape."""
+  del target
+  if config_lib.tree(config):
     return TreeDrafter(draft, config_lib.tree(config))
-  if config.drafter == "model":
-    return ModelDrafter(draft, confidence_threshold=config.confidence_threshold)
-  if config.drafter == "ngram":
-    return NgramDrafter(target.vocab_size, max_n=config.ngram.max_n,
-                        min_n=config.ngram.min_n)
-  if config.drafter == "layer_skip":
-    return LayerSkipDrafter(target, num_layers=config.layer_skip.num_layers,
-                            confidence_threshold=config.confidence_threshold)
-  if config.drafter == "eagle":
-    return eagle.load_head(pretrained.resolve(config.eagle), target)
-  raise ValueError(f"drafter={config.drafter!r}: choose one of "
-                   f"{config_lib.DRAFTERS}.")
+  return ModelDrafter(draft, confidence_threshold=config.confidence_threshold)
+
+
+# config.drafter -> fn(config, target model, draft model or None) -> drafter.
+# Only "model" loads a draft model (config.draft).
+DRAFTERS = {
+    "model": _model_drafter,
+    # Prompt lookup with config.ngram.max_n / min_n.
+    "ngram": lambda config, target, draft: NgramDrafter(
+        target.vocab_size, max_n=config.ngram.max_n,
+        min_n=config.ngram.min_n),
+    # The target's first config.layer_skip.num_layers layers.
+    "layer_skip": lambda config, target, draft: LayerSkipDrafter(
+        target, num_layers=config.layer_skip.num_layers,
+        confidence_threshold=config.confidence_threshold),
+    # The EAGLE head at config.eagle, drafting from the target's features.
+    "eagle": lambda config, target, draft: eagle.load_head(
+        pretrained.resolve(config.eagle), target),
+}
+
+
+def make_drafter(config: ml_collections.ConfigDict, target, draft=None):
+  """The drafter config.drafter names (`DRAFTERS`), with its sub-config."""
+  return DRAFTERS[config.drafter](config, target, draft)
 
 
 def load_models(config: ml_collections.ConfigDict, mesh=None) -> Loaded:
@@ -139,6 +145,9 @@ def load_models(config: ml_collections.ConfigDict, mesh=None) -> Loaded:
   With a mesh, params are loaded into their shardings.
   """
   config_lib.check(config)
+  if config.drafter not in DRAFTERS:
+    raise ValueError(f"drafter={config.drafter!r}: choose one of "
+                     f"{tuple(DRAFTERS)}.")
   if config.drafter == "model":
     target, draft = load_pair(config.target, config.draft, mesh,
                               config.mesh.replicate_draft)

@@ -11,7 +11,7 @@ matched (a one-token match is a weak clue; `NgramDrafter.min_n` sets the
 shortest match worth a verify).
 
 With the cost of a verify pass in target steps (bench_step's
-`verify_over_step`), each setting's cycles also predict its speedup, and the
+`verify_cost_ratio`), each setting's cycles also predict its speedup, and the
 same output bounds any drafter that copies from the context: proposing
 exactly the drafts that will be accepted, and nothing in cycles where none
 would be.
@@ -75,18 +75,18 @@ def replay_row(prompt: list[int], output: list[int], gamma: int, max_n: int,
   return cycles
 
 
-def cycle_costs(verify_over_step: dict) -> callable:
+def cycle_costs(verify_cost_ratio: dict) -> callable:
   """cost(drafts) in target steps of a cycle with that many drafts: 1 for a
   plain step, else the verify of drafts + 1 tokens, interpolated linearly in
   gamma between bench_step's measured {gamma: verify / step}."""
-  gammas = np.array(sorted(int(g) for g in verify_over_step))
-  ratios = np.array([verify_over_step[str(g)] for g in gammas])
+  gammas = np.array(sorted(int(g) for g in verify_cost_ratio))
+  ratios = np.array([verify_cost_ratio[str(g)] for g in gammas])
   return lambda drafts: 1.0 if drafts == 0 else float(
       np.interp(drafts, gammas, ratios))
 
 
 def summarize(cycles: list[tuple[int, int, int, int]], gamma: int,
-              verify_over_step=None) -> dict:
+              verify_cost_ratio=None) -> dict:
   """Tokens per cycle, the share of plain-step cycles, acceptance by the
   matched n-gram's length and, given the verify costs, the predicted
   speedup over AR and the copy-from-context bound."""
@@ -103,8 +103,8 @@ def summarize(cycles: list[tuple[int, int, int, int]], gamma: int,
              "tokens_per_cycle": tokens / max(len(cycles), 1),
              "plain_step_share": float((proposed == 0).mean()),
              "accepted_by_match_length": by_n}
-  if verify_over_step:
-    cost = cycle_costs(verify_over_step)
+  if verify_cost_ratio:
+    cost = cycle_costs(verify_cost_ratio)
     # With `verify_buckets=2` a cycle with any draft verifies gamma + 1.
     spent = sum(cost(gamma if k else 0) for k in proposed)
     # The bound: only the drafts that will be accepted, in a pass that wide.
@@ -135,7 +135,7 @@ def greedy_rows(config: ml_collections.ConfigDict, loaded: loading.Loaded,
 
 
 def replay(rows: list[tuple[str, list[int], list[int]]], settings,
-           verify_over_step=None) -> list[dict]:
+           verify_cost_ratio=None) -> list[dict]:
   """Each (gamma, max_n, min_n) setting replayed on rows of (category,
   prompt ids, greedy output ids): overall and per category."""
   results = []
@@ -147,8 +147,8 @@ def replay(rows: list[tuple[str, list[int], list[int]]], settings,
     every = [c for cycles in by_category.values() for c in cycles]
     results.append({
         "gamma": gamma, "max_n": max_n, "min_n": min_n,
-        "all": summarize(every, gamma, verify_over_step),
-        "by_category": {name: summarize(cycles, gamma, verify_over_step)
+        "all": summarize(every, gamma, verify_cost_ratio),
+        "by_category": {name: summarize(cycles, gamma, verify_cost_ratio)
                         for name, cycles in by_category.items()}})
   return results
 

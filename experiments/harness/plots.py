@@ -133,7 +133,7 @@ def tree_ablation_figure(rows) -> Figure:
     at = [r for r in rows if r["temperature"] == t]
     series.append((f"T={t:g} measured", {r["shape"]: r["speedup"] for r in at},
                    {r["shape"]: f"tau {r['tokens_per_cycle']:.2f}, verify "
-                    f"{r['verify_cost']:.1f}" for r in at}))
+                    f"{r['verify_cost_ratio']:.1f}" for r in at}))
     series.append((f"T={t:g} predicted, verify at 1 step",
                    {r["shape"]: r["flat_verify_speedup"] for r in at}, None))
   return _speedup_bars(list(dict.fromkeys(r["shape"] for r in rows)), series,

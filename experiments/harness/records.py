@@ -65,3 +65,19 @@ def check_writable(directory: str) -> None:
     raise PermissionError(
         f"cannot write to workdir {directory!r} ({error.strerror}); pass a "
         "writable --workdir.") from error
+
+
+def text_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+  """A fixed-width table for the terminal. columns: [(title, template)],
+  template a `str.format` field of a row, e.g. ("tau",
+  "{tokens_per_cycle:.2f}"); a title ending in "<" is left-aligned. Each
+  column is as wide as its widest cell."""
+  titles = [title.rstrip("<") for title, _ in columns]
+  cells = [titles] + [[template.format(**row) for _, template in columns]
+                      for row in rows]
+  widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+  align = [str.ljust if title.endswith("<") else str.rjust
+           for title, _ in columns]
+  return "\n".join(" ".join(a(cell, w) for a, cell, w in
+                             zip(align, line, widths)).rstrip()
+                   for line in cells)

@@ -1,13 +1,16 @@
 """All the harness's timing: one wall-clock timer, the interleaved AR/SD
-runner, and component times measured the way the decode loop runs them.
+runner, component times measured the way the decode loop runs them, and the
+cost ratios they give (`Costs`).
 
 Each component (a draft step, a target step, a verify with its rejection step,
 and a whole propose -> verify -> resample cycle) runs n times inside one jitted
 `fori_loop`, as it does inside the decode loop: no dispatch per call, caches
-updated in place. Its time is the slope (t(n_long) - t(n_short)) /
-(n_long - n_short), which removes launch and transfer costs; each t is the
-median of runs taken in rounds (`RoundTimer`) after a warm-up call that
-compiles. The cache pointer is put back after every iteration so all n calls
+updated in place. The verify and the cycle are the engine's own functions
+(`decoding.resample_proposal`, `decoding.speculative_cycle`), so a new rule or
+drafter is timed as the loop runs it. A component's time is the slope
+(t(n_long) - t(n_short)) / (n_long - n_short), which removes launch and
+transfer costs; each t is the median of runs taken in rounds (`RoundTimer`)
+after a warm-up call that compiles. The cache pointer is put back after every iteration so all n calls
 attend over the same cache; attention reads every slot regardless of the
 pointer, so this costs what a mid-sequence call costs.
 
@@ -20,6 +23,7 @@ cost.
 """
 
 import collections
+import dataclasses
 import functools
 import time
 
@@ -27,12 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import rules
+from spec_jax import decoding
 from spec_jax.decoding import DecodeConfig
 from spec_jax.model import Model
 from spec_jax.sampling import Sampling
-from spec_jax.rules.tree import resample_tree
-from spec_jax.verification import verify
 
 
 def timed(fn, *args):
@@ -96,88 +98,70 @@ def _decode_steps(model: Model, cache, token, key, num_steps, sampling: Sampling
   return jax.lax.fori_loop(0, num_steps, step, (token, cache))
 
 
-@functools.partial(jax.jit, static_argnames=("gamma", "sampling"))
-def _propose_steps(drafter, state, target_cache, tokens, lengths, key,
-                   num_steps, gamma: int, sampling: Sampling):
-  """num_steps calls of drafter.propose, each drafting gamma tokens."""
+@functools.partial(jax.jit, static_argnames="config")
+def _propose_steps(drafter, state, target_cache, tokens, lengths, verified,
+                   key, num_steps, config: DecodeConfig):
+  """num_steps calls of drafter.propose, each drafting config.gamma tokens,
+  and the drafter's update that follows it in a cycle (`verified` is one
+  verify pass's output, the same each time)."""
+  rows = jnp.arange(tokens.shape[0])
 
   def step(i, carry):
-    state, target_cache, checksum = carry
+    state, target_cache, tokens, checksum = carry
     proposal = drafter.propose(state, target_cache, tokens, lengths,
-                               jax.random.fold_in(key, i), gamma, sampling)
-    # The checksum uses every output, so nothing is optimised away.
-    checksum += proposal.tokens.sum() + proposal.probs.sum()
-    return (drafter.update(proposal.state, lengths - 1, None),
-            proposal.target_cache.rollback(target_cache.lengths), checksum)
+                               jax.random.fold_in(key, i), config.gamma,
+                               config.sampling)
+    # The draft becomes the context's last token: each call then depends on
+    # the one before, so none is hoisted out of the loop (a drafter with no
+    # state, such as prompt lookup, reads only the tokens).
+    tokens = tokens.at[rows, lengths - 1].set(proposal.tokens[:, 0])
+    checksum += proposal.probs.sum()
+    return (drafter.update(proposal.state, lengths - 1, verified),
+            proposal.target_cache.rollback(target_cache.lengths), tokens,
+            checksum)
 
   return jax.lax.fori_loop(0, num_steps, step,
-                           (state, target_cache, jnp.zeros(())))
+                           (state, target_cache, tokens, jnp.zeros(())))
 
 
-def _verify_and_resample(target: Model, cache, tokens, lengths, draft_tokens,
-                         draft_probs, parents, key, sampling: Sampling,
-                         depth: int, resample, hidden_layers=()):
-  """A verify pass and its rejection step, as the decode loop runs them: a
-  chain's `resample` (the decode's rule), or a tree's `resample_tree` and the
-  target cache's compaction. Returns (new_tokens, num_accepted, verified,
-  path or None). The pass is always the full width: a loop that verifies
-  only what was proposed (`DecodeConfig.verify_buckets`) runs narrower passes
-  in the cycles where nothing was, which its `width_cycles` count."""
-  verified = verify(target, cache, tokens, lengths, draft_tokens, sampling,
-                    parents=parents, hidden_layers=hidden_layers)
-  if parents is None:
-    new_tokens, num_accepted = resample(
-        key, draft_tokens, draft_probs, verified.probs, greedy=sampling.greedy)
-    return new_tokens, num_accepted, verified, None
-  new_tokens, num_accepted, path = resample_tree(
-      key, draft_tokens, parents, draft_probs, verified.probs,
-      greedy=sampling.greedy, depth=depth)
-  return (new_tokens, num_accepted,
-          verified.replace(cache=verified.cache.compact(lengths, path)), path)
-
-
-@functools.partial(jax.jit, static_argnames=("sampling", "depth", "resample"))
-def _verify_steps(target: Model, cache, tokens, lengths, draft_tokens,
-                  draft_probs, parents, key, num_steps, sampling: Sampling,
-                  depth: int, resample=rules.resample):
-  """num_steps verify passes over N + 1 tokens (a chain's, or a tree's with
-  parents), each with its rejection step."""
+@functools.partial(jax.jit, static_argnames="config")
+def _verify_steps(target: Model, drafter, proposal, tokens, lengths, key,
+                  num_steps, config: DecodeConfig):
+  """num_steps verify passes over a proposal's N + 1 tokens, each with its
+  rejection step (`decoding.resample_proposal`, as the loop runs them)."""
+  active = jnp.ones(lengths.shape, bool)
 
   def step(i, carry):
     draft_tokens, cache = carry
-    new_tokens, _, verified, _ = _verify_and_resample(
-        target, cache, tokens, lengths, draft_tokens, draft_probs, parents,
-        jax.random.fold_in(key, i), sampling, depth, resample)
+    cycle = decoding.resample_proposal(
+        jax.random.fold_in(key, i), target, drafter,
+        proposal.replace(tokens=draft_tokens, target_cache=cache), tokens,
+        lengths, active, config)
     # Feeding the output back keeps the compiler from hoisting the pass.
-    return (draft_tokens.at[:, 0].set(new_tokens[:, 0]),
-            verified.cache.rollback(cache.lengths))
+    return (draft_tokens.at[:, 0].set(cycle.tokens[:, 0]),
+            cycle.target_cache.rollback(cache.lengths))
 
-  return jax.lax.fori_loop(0, num_steps, step, (draft_tokens, cache))
+  return jax.lax.fori_loop(0, num_steps, step,
+                           (proposal.tokens, proposal.target_cache))
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("gamma", "sampling", "depth", "resample"))
+@functools.partial(jax.jit, static_argnames="config")
 def _cycle_steps(target: Model, drafter, state, target_cache, tokens, lengths,
-                 key, num_steps, gamma: int, sampling: Sampling, depth: int,
-                 resample=rules.resample):
-  """num_steps propose -> verify -> resample cycles: the decode loop's body
-  without its bookkeeping (emitting tokens, counting statistics)."""
+                 key, num_steps, config: DecodeConfig):
+  """num_steps cycles of `decoding.speculative_cycle`: the decode loop's
+  body without its bookkeeping (emitting tokens, counting statistics)."""
+  active = jnp.ones(lengths.shape, bool)
 
   def step(i, carry):
     state, target_cache, checksum = carry
     propose_key, resample_key = jax.random.split(jax.random.fold_in(key, i))
-    proposal = drafter.propose(state, target_cache, tokens, lengths,
-                               propose_key, gamma, sampling)
-    new_tokens, num_accepted, verified, path = _verify_and_resample(
-        target, proposal.target_cache, tokens, lengths, proposal.tokens,
-        proposal.probs, proposal.parents, resample_key, sampling, depth,
-        resample, drafter.target_layers)
-    state = proposal.state
-    if path is not None:
-      state = drafter.compact(state, lengths, path)
-    checksum += new_tokens.sum() + num_accepted.sum()
-    return (drafter.update(state, lengths - 1, verified),
-            verified.cache.rollback(target_cache.lengths), checksum)
+    cycle = decoding.speculative_cycle(propose_key, resample_key, target,
+                                       drafter, state, target_cache, tokens,
+                                       lengths, active, config)
+    checksum += cycle.tokens.sum() + cycle.num_accepted.sum()
+    # Back to the same context: every call attends over the same cache.
+    target_cache, state = cycle.advance(drafter, lengths)
+    return state, target_cache, checksum
 
   return jax.lax.fori_loop(0, num_steps, step,
                            (state, target_cache, jnp.zeros((), jnp.int32)))
@@ -309,9 +293,7 @@ class CycleTimer:
   def __init__(self, target: Model, drafter, batch_size: int,
                prompt_width: int, max_len: int, config: DecodeConfig,
                cycles: int = 32):
-    gamma, sampling = config.gamma, config.sampling
-    num_nodes, self.depth = drafter.cycle_shape(config.gamma)
-    template = getattr(drafter, "template", None)
+    self.depth = drafter.cycle_shape(config.gamma)[1]
     key = jax.random.key(0)
     layers = drafter.target_layers
     tokens, lengths, _, target_cache, hidden = _context(
@@ -319,30 +301,31 @@ class CycleTimer:
     # Prefilled over the whole context with the pointer at mid-cache, as the
     # target's: a drafter that reads the target's features gets them.
     draft_state = drafter.prefill(tokens, lengths, max_len, hidden)
-    draft_tokens = tokens[:, :num_nodes]
-    # A tree's q sits at its N + 1 context nodes, a chain's at its drafts.
-    parents = (None if template is None else
-               jnp.broadcast_to(template.parents, (batch_size, num_nodes)))
-    draft_probs = jnp.full(
-        (batch_size, num_nodes + (parents is not None), target.vocab_size),
-        1.0 / target.vocab_size)
+    # A real proposal (a tree's shape included) with uniform q: every draft
+    # counts as proposed, so the verify is the full width.
+    proposal = drafter.propose(draft_state, target_cache, tokens, lengths,
+                               key, config.gamma, config.sampling)
+    proposal = proposal.replace(
+        probs=jnp.full_like(proposal.probs, 1.0 / target.vocab_size))
+    verified = decoding.resample_proposal(
+        key, target, drafter, proposal, tokens, lengths,
+        jnp.ones(lengths.shape, bool), config).verified
     prompts = tokens[:, :prompt_width]
     prompt_lengths = jnp.full((batch_size,), prompt_width, jnp.int32)
     prompt_hidden = target.prefill_with_hidden(prompts, prompt_lengths,
                                                max_len, layers)[1]
     self.parts = RoundTimer(
         {"propose": lambda n: _propose_steps(
-            drafter, draft_state, target_cache, tokens, lengths, key, n,
-            gamma, sampling),
+            drafter, draft_state, target_cache, tokens, lengths, verified,
+            key, n, config),
          "verify": lambda n: _verify_steps(
-             target, target_cache, tokens, lengths, draft_tokens, draft_probs,
-             parents, key, n, sampling, self.depth, config.resample)},
+             target, drafter, proposal, tokens, lengths, key, n, config)},
         {"draft_prefill": lambda: drafter.prefill(prompts, prompt_lengths,
                                                   max_len, prompt_hidden)})
     self.cycle = RoundTimer(
         {"cycle": lambda n: _cycle_steps(
             target, drafter, draft_state, target_cache, tokens, lengths, key,
-            n, gamma, sampling, self.depth, config.resample)}, long=cycles)
+            n, config)}, long=cycles)
 
   def time_round(self) -> None:
     self.parts.time_round()
@@ -382,3 +365,53 @@ class Deferred:
 
   def time_round(self) -> None:
     self.future.result().time_round()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Costs:
+  """What the loop's parts cost, in seconds, and in target steps.
+
+  The one place where the cost ratios are computed: c (`draft_cost_ratio`),
+  v (`verify_cost_ratio`) and a whole cycle's (`cycle_cost_ratio`). Built from
+  the timers, `Costs(**cycle_timer.seconds(), **target_timer.seconds())`; a
+  measurement of a step and a verify alone (bench_step) leaves the other
+  parts None.
+  """
+  draft_step_s: float | None = None
+  verify_s: float
+  cycle_s: float | None = None
+  draft_prefill_s: float | None = None
+  target_step_s: float
+  target_prefill_s: float | None = None
+
+  @property
+  def draft_cost_ratio(self) -> float:
+    """c: a draft step (a tree's: one draft pass) over a target step."""
+    return self.draft_step_s / self.target_step_s
+
+  @property
+  def verify_cost_ratio(self) -> float:
+    """v: a verify with its rejection step over a target step."""
+    return self.verify_s / self.target_step_s
+
+  @property
+  def cycle_cost_ratio(self) -> float:
+    """A whole propose -> verify -> resample cycle over a target step."""
+    return self.cycle_s / self.target_step_s
+
+  def as_row(self) -> dict:
+    """The ratios and the seconds, under the keys every results row uses."""
+    return {"draft_cost_ratio": self.draft_cost_ratio,
+            "verify_cost_ratio": self.verify_cost_ratio,
+            "cycle_cost_ratio": self.cycle_cost_ratio,
+            **dataclasses.asdict(self)}
+
+
+def speedup_over_ar(run: dict, ar_seconds: float) -> dict:
+  """{"ar_tokens_per_s", "speedup"} of a `compare.compare_at` RUN's SD
+  against AR decoding of the run's prompts in ar_seconds: the run's own AR
+  time, or the median over a sweep's rows (all decode the same prompts, and
+  AR does not depend on the drafter)."""
+  ar_tokens_per_s = run["ar"]["new_tokens"] / ar_seconds
+  return {"ar_tokens_per_s": ar_tokens_per_s,
+          "speedup": run["sd"]["tokens_per_s"] / ar_tokens_per_s}

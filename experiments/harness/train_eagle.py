@@ -17,6 +17,7 @@ where it stopped: inside stage 1 at the next batch, inside stage 2 at the
 last checkpoint.
 """
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -30,7 +31,7 @@ import orbax.checkpoint as ocp
 
 from experiments.harness import eagle_data, loading, plots, records
 from experiments.harness.train import make_optimizer, resume
-from spec_jax import eagle, eagle_training
+from spec_jax import eagle, eagle_training, theory
 from spec_jax.io.bundle import ModelBundle
 
 _log = logging.getLogger(__name__)
@@ -104,14 +105,6 @@ def _evaluate(params, config, head_config, target, cache, rows, vocab_ids):
   return loss, top1
 
 
-def greedy_tokens_per_cycle(top1: np.ndarray, gamma: int) -> float:
-  """1 + a_1 + a_1 a_2 + ...: tau if draft k is accepted with the held-out
-  rate top1[k - 1] given the drafts before it were (the last rate past the
-  trained steps)."""
-  rates = np.concatenate([top1, np.repeat(top1[-1:], max(0, gamma - len(top1)))])
-  return float(1 + np.cumprod(rates[:gamma]).sum())
-
-
 class _Curve:
   """The learning curve: one record per evaluation, in a JSON file that a
   resumed run truncates to its checkpoint."""
@@ -134,78 +127,132 @@ def _head_config(config, target) -> eagle.EagleConfig:
       config.reduced_vocab)
 
 
-def train(config: ml_collections.ConfigDict, workdir) -> eagle.EagleDrafter:
-  """Runs every stage (see the module docstring); returns the head."""
-  workdir = pathlib.Path(workdir).absolute()
-  workdir.mkdir(parents=True, exist_ok=True)
+@dataclasses.dataclass(frozen=True)
+class _Data:
+  """What the training steps read: the target, the head's settings, and the
+  feature cache with its training and held-out rows."""
+
+  target: object  # spec_jax.Model
+  head_config: eagle.EagleConfig
+  cache: eagle_data.FeatureCache
+  train_rows: np.ndarray  # [N_train] row indices into the cache.
+  heldout: np.ndarray  # [N_eval]
+  vocab_ids: jax.Array | None  # [V_draft] the reduced vocabulary, if any.
+
+
+def _prepare(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> _Data:
+  """Loads the target, makes (or reads) the feature cache and splits it."""
   bundle = loading.load(config.target, name="target")
   target = bundle.model
   head_config = _head_config(config, target)
   cache = features(config, bundle, head_config.feature_layers, workdir)
-  num = len(cache.lengths)
   # Held out at random: the cache's rows are in the order they were made
   # (self-distillation batches prompts by length).
-  order = np.random.default_rng(config.seed).permutation(num)
+  order = np.random.default_rng(config.seed).permutation(len(cache.lengths))
   heldout = np.sort(order[:config.eval_sequences])
   train_rows = np.sort(order[config.eval_sequences:])
   vocab_ids = None
   if config.reduced_vocab:
     vocab_ids = jnp.asarray(reduced_vocabulary(
         cache, config.reduced_vocab, target.vocab_size, train_rows))
-  tokens_per_step = config.batch_size * config.seq_len
+  return _Data(target, head_config, cache, train_rows, heldout, vocab_ids)
+
+
+def _tokens_per_step(config: ml_collections.ConfigDict) -> int:
+  return config.batch_size * config.seq_len
+
+
+class _Progress:
+  """Training seconds and throughput, logged every config.log_every steps;
+  evaluations are left out of both."""
+
+  def __init__(self, config: ml_collections.ConfigDict, start: int,
+               seconds: float):
+    self.config, self.last, self.seconds = config, start, seconds
+    self.clock = time.perf_counter()
+
+  def step_done(self, done: int, metrics) -> None:
+    config = self.config
+    if done % config.log_every and done != config.num_steps:
+      return
+    jax.block_until_ready(metrics)  # steps run ahead of Python otherwise
+    elapsed = time.perf_counter() - self.clock
+    self.seconds += elapsed
+    rate = (done - self.last) / elapsed
+    _log.info("step %d/%d  loss %.3f  top1 %s  %.0f tokens/s  ETA %.0f s",
+              done, config.num_steps, float(metrics["loss"][0]),
+              np.round(np.asarray(metrics["top1"]), 3),
+              rate * _tokens_per_step(config),
+              (config.num_steps - done) / rate)
+    self.clock, self.last = time.perf_counter(), done
+
+  def restart_clock(self) -> None:
+    self.clock = time.perf_counter()
+
+
+def _evaluation(config, data: _Data, params, done: int,
+                seconds: float) -> dict:
+  """The learning curve's record at step `done`, logged."""
+  loss, top1 = _evaluate(params, config, data.head_config, data.target,
+                         data.cache, data.heldout, data.vocab_ids)
+  record = {"step": done, "tokens_seen": done * _tokens_per_step(config),
+            "train_hours": seconds / 3600, "loss": loss.tolist(),
+            "top1": top1.tolist(),
+            "greedy_tau_gamma4": float(
+                theory.tokens_per_cycle_from_conditional_acceptance(top1,
+                                                                    4))}
+  _log.info("eval step %d  tokens %d  held-out loss %s  greedy "
+            "acceptance by draft %s  (tau at gamma 4 about %.2f)", done,
+            record["tokens_seen"], np.round(loss, 3), np.round(top1, 3),
+            record["greedy_tau_gamma4"])
+  return record
+
+
+def _train_steps(config, data: _Data, params, workdir: pathlib.Path):
+  """Trains from the last checkpoint to config.num_steps, evaluating and
+  checkpointing as configured. Returns (final state, learning curve)."""
   optimizer = make_optimizer(config)
-  params = eagle.init_params(head_config, jax.random.key(config.seed), target,
-                             vocab_ids)
-  _log.info("%d training sequences, %d held out; %s", len(train_rows),
-            len(heldout), eagle.EagleDrafter(target, params, head_config,
-                                             vocab_ids).describe())
   state = {"params": params, "opt_state": optimizer.init(params),
            "seconds": np.zeros((), np.float64)}
   manager, start, state = resume(workdir, config.checkpoint_every, state)
   curve = _Curve(workdir / "learning_curve.json", start)
-  clock, last = time.perf_counter(), start
-  seconds = float(state["seconds"])
+  progress = _Progress(config, start, float(state["seconds"]))
   for step in range(start, config.num_steps):
     # Batches depend only on (seed, step), so a resumed run sees the same data.
     rows = np.random.default_rng([config.seed, step]).choice(
-        train_rows, config.batch_size, replace=False)
+        data.train_rows, config.batch_size, replace=False)
     params, opt_state, metrics = eagle_training.train_step(
-        state["params"], state["opt_state"], head_config, target,
-        cache.batch(rows), vocab_ids, optimizer, config.ttt_steps)
+        state["params"], state["opt_state"], data.head_config, data.target,
+        data.cache.batch(rows), data.vocab_ids, optimizer, config.ttt_steps)
     done = step + 1
-    if done % config.log_every == 0 or done == config.num_steps:
-      jax.block_until_ready(metrics)  # steps run ahead of Python otherwise
-      elapsed = time.perf_counter() - clock
-      seconds += elapsed
-      rate = (done - last) / elapsed
-      _log.info("step %d/%d  loss %.3f  top1 %s  %.0f tokens/s  ETA %.0f s",
-                done, config.num_steps, float(metrics["loss"][0]),
-                np.round(np.asarray(metrics["top1"]), 3),
-                rate * tokens_per_step, (config.num_steps - done) / rate)
-      clock, last = time.perf_counter(), done
+    progress.step_done(done, metrics)
     state = {"params": params, "opt_state": opt_state,
-             "seconds": np.asarray(seconds, np.float64)}
+             "seconds": np.asarray(progress.seconds, np.float64)}
     if done % config.eval_every == 0 or done == config.num_steps:
-      loss, top1 = _evaluate(params, config, head_config, target, cache,
-                             heldout, vocab_ids)
-      record = {"step": done, "tokens_seen": done * tokens_per_step,
-                "train_hours": seconds / 3600, "loss": loss.tolist(),
-                "top1": top1.tolist(),
-                "greedy_tau_gamma4": greedy_tokens_per_cycle(top1, 4)}
-      curve.add(record)
-      _log.info("eval step %d  tokens %d  held-out loss %s  greedy "
-                "acceptance by draft %s  (tau at gamma 4 about %.2f)", done,
-                record["tokens_seen"], np.round(loss, 3), np.round(top1, 3),
-                record["greedy_tau_gamma4"])
-      clock = time.perf_counter()  # train_hours and tokens/s leave it out
+      curve.add(_evaluation(config, data, params, done, progress.seconds))
+      progress.restart_clock()  # train_hours and tokens/s leave it out
     manager.save(done, args=ocp.args.StandardSave(state))
   manager.wait_until_finished()
+  return state, curve
 
-  drafter = eagle.EagleDrafter(target, state["params"], head_config,
-                               vocab_ids)
+
+def train(config: ml_collections.ConfigDict, workdir) -> eagle.EagleDrafter:
+  """Runs every stage (see the module docstring); returns the head."""
+  workdir = pathlib.Path(workdir).absolute()
+  workdir.mkdir(parents=True, exist_ok=True)
+  data = _prepare(config, workdir)
+  params = eagle.init_params(data.head_config, jax.random.key(config.seed),
+                             data.target, data.vocab_ids)
+  _log.info("%d training sequences, %d held out; %s", len(data.train_rows),
+            len(data.heldout), eagle.EagleDrafter(
+                data.target, params, data.head_config,
+                data.vocab_ids).describe())
+  state, curve = _train_steps(config, data, params, workdir)
+  drafter = eagle.EagleDrafter(data.target, state["params"], data.head_config,
+                               data.vocab_ids)
   metadata = {"target": config.target, "data": config.data,
-              "sequences": len(train_rows),
-              "tokens_seen": config.num_steps * tokens_per_step,
+              "sequences": len(data.train_rows),
+              "tokens_seen": config.num_steps * _tokens_per_step(config),
               "train_hours": float(state["seconds"]) / 3600,
               "final": curve.records[-1] if curve.records else None,
               "config": config.to_dict()}

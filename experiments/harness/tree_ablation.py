@@ -22,7 +22,7 @@ import time
 import ml_collections
 import numpy as np
 
-from experiments.harness import compare, gamma_sweep, loading, timing
+from experiments.harness import compare, gamma_sweep, loading, records, timing
 from experiments.harness import config as config_lib
 from spec_jax import theory
 from spec_jax.decoding import pad_prompts
@@ -49,18 +49,17 @@ def _drafter(draft, shape):
   return ModelDrafter(draft), shape, shape, shape
 
 
-def _row(name: str, num_nodes: int, depth: int, run: dict, parts: dict,
-         ar_seconds: float) -> dict:
-  """One ablation row from a `compare_at` RUN, the component times and the
+def _row(name: str, num_nodes: int, depth: int, run: dict,
+         costs: timing.Costs, ar_seconds: float) -> dict:
+  """One ablation row from a `compare_at` RUN, the component costs and the
   AR time pooled over the temperature's rows."""
-  sd, step = run["sd"], parts["target_step_s"]
+  sd = run["sd"]
   depth_acceptance = sd["position_acceptance"]
-  draft_cost = depth * parts["draft_step_s"] / step
-  verify_cost = parts["verify_s"] / step
-  ar_tokens_per_s = run["ar"]["new_tokens"] / ar_seconds
-  speedup = sd["tokens_per_s"] / ar_tokens_per_s
+  # A cycle drafts one pass per depth.
+  draft_passes = depth * costs.draft_cost_ratio
+  measured = timing.speedup_over_ar(run, ar_seconds)
   predicted = float(theory.speedup_from_depth_acceptance(
-      depth_acceptance, draft_cost, verify_cost))
+      depth_acceptance, draft_passes, costs.verify_cost_ratio))
   return {
       "shape": name, "num_nodes": num_nodes, "depth": depth,
       "temperature": run["temperature"],
@@ -69,15 +68,13 @@ def _row(name: str, num_nodes: int, depth: int, run: dict, parts: dict,
       "alpha_min_pq": sd["mean_overlap"],
       # P(the accepted path reaches depth d), d = 1..D.
       "depth_acceptance": depth_acceptance,
-      "draft_cost": draft_cost, "verify_cost": verify_cost,
-      "cycle_cost": parts["cycle_s"] / step, **parts,
-      "ar_tokens_per_s": ar_tokens_per_s,
+      **costs.as_row(),
+      **measured,
       "sd_tokens_per_s": sd["tokens_per_s"],
-      "speedup": speedup,
       "predicted_speedup": predicted,
-      "measured_over_predicted": speedup / predicted,
+      "measured_over_predicted": measured["speedup"] / predicted,
       "flat_verify_speedup": float(theory.speedup_from_depth_acceptance(
-          depth_acceptance, draft_cost, 1.0)),
+          depth_acceptance, draft_passes, 1.0)),
   }
 
 
@@ -113,20 +110,16 @@ def tree_ablation(config: ml_collections.ConfigDict, loaded: loading.Loaded,
                 len(rows) + len(runs), total, temperature, name,
                 run["sd"]["tokens_per_cycle"], run["speedup"], elapsed)
     ar_seconds = float(np.median([r[3]["ar"]["wall_s"] for r in runs]))
-    rows.extend(_row(*r[:4], {**r[4], **target_timer.seconds()}, ar_seconds)
-                for r in runs)
+    rows.extend(_row(*r[:4], timing.Costs(**r[4], **target_timer.seconds()),
+                     ar_seconds) for r in runs)
   return rows
 
 
 def format_table(rows: list[dict]) -> str:
-  lines = [f"{'T':>3} {'shape':<16} {'N':>3} {'D':>2} {'tau':>5} "
-           f"{'verify':>6} {'cycle':>6} {'speedup':>7} {'predicted':>9} "
-           f"{'flat':>6}"]
-  for r in rows:
-    lines.append(
-        f"{r['temperature']:>3g} {r['shape']:<16} {r['num_nodes']:>3d} "
-        f"{r['depth']:>2d} {r['tokens_per_cycle']:>5.2f} "
-        f"{r['verify_cost']:>6.2f} {r['cycle_cost']:>6.2f} "
-        f"{r['speedup']:>6.2f}x {r['predicted_speedup']:>8.2f}x "
-        f"{r['flat_verify_speedup']:>5.2f}x")
-  return "\n".join(lines)
+  return records.text_table(rows, [
+      ("T", "{temperature:g}"), ("shape<", "{shape}"), ("N", "{num_nodes:d}"),
+      ("D", "{depth:d}"), ("tau", "{tokens_per_cycle:.2f}"),
+      ("verify", "{verify_cost_ratio:.2f}"),
+      ("cycle", "{cycle_cost_ratio:.2f}"),
+      ("speedup", "{speedup:.2f}x"), ("predicted", "{predicted_speedup:.2f}x"),
+      ("flat", "{flat_verify_speedup:.2f}x")])

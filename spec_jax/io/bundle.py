@@ -15,7 +15,6 @@ import json
 
 import tokenizers
 
-from spec_jax.decoding import DecodeConfig
 from spec_jax.model import Model
 
 
@@ -25,7 +24,8 @@ class ModelBundle:
 
   stop_ids: the tokens that end a reply, the checkpoint's EOS first; chat
     models often have more than one (Gemma's <eos> and <end_of_turn>). An int
-    or None is accepted and normalised to a tuple.
+    or None is accepted and normalised to a tuple. A decode that stops at
+    them: `DecodeConfig(eos_id=bundle.stop_ids or None, ...)`.
   chat_template: the Jinja chat template, or None for a base model without
     one.
   special_tokens: the template variables naming special tokens ("bos_token",
@@ -47,11 +47,6 @@ class ModelBundle:
     # Order kept, duplicates dropped: the first is the checkpoint's EOS.
     object.__setattr__(self, "stop_ids",
                        tuple(dict.fromkeys(int(i) for i in stop_ids)))
-
-  def decode_config(self, **settings) -> DecodeConfig:
-    """A DecodeConfig that stops at this model's stop ids, e.g.
-    `bundle.decode_config(gamma=4, max_new_tokens=128)`."""
-    return DecodeConfig(**{"eos_id": self.stop_ids or None, **settings})
 
   @property
   def eos_id(self) -> int | None:

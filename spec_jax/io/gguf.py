@@ -13,6 +13,10 @@ up to the quantization. Two things llama.cpp's converter changed are undone:
     layout is what llama.cpp's NEOX rope mode expects).
   * Gemma's RMSNorm scales by (1 + w); the converter stores 1 + w.
 
+The architectures read, and what is particular to each (permuted rows, its own
+metadata keys, what llama.cpp hard-codes rather than stores), are the `gguf`
+parts of the records in families.py.
+
 The tokenizer is rebuilt with the `tokenizers` library from the vocabulary in
 the metadata, as transformers' GGUF loader builds it: byte-level BPE for
 "gpt2" vocabularies (Llama 3, Qwen, SmolLM), SentencePiece-style BPE with byte
@@ -30,33 +34,29 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from spec_jax.io import bundle
+from spec_jax.io import families
 from spec_jax.io import hf
 from spec_jax.model import Model, RopeScaling, TransformerConfig
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+_BY_ARCHITECTURE = {family.gguf.architecture: family
+                    for family in families.FAMILIES if family.gguf}
 # Tensor types dequantized here; files mixing in any other are refused.
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                 "Q4_K", "Q5_K", "Q6_K")
-# Per block: GGUF tensor name -> HF name under model.layers.{i}. Gemma's
-# ffn_norm is the norm before the MLP, which HF calls pre_feedforward; in
-# Llama it is post_attention_layernorm (HF's name for the same position).
+# llama.cpp's tensor names, the same in every architecture: outside the
+# blocks, -> our module; in block blk.{i}, -> our module and the place of the
+# HF tensor in those stacked to form it (families.Layout.blocks). llama.cpp
+# names a tensor by its place in the block: ffn_norm is the norm before the
+# MLP, whatever the family's HF name for it.
+_TOP = {"token_embd": "embed", "output_norm": "ln_final", "output": "lm_head"}
 _BLOCK = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "ffn_norm": "post_attention_layernorm",
+    "attn_norm": ("ln_attn", 0), "attn_q": ("qkv", 0), "attn_k": ("qkv", 1),
+    "attn_v": ("qkv", 2), "attn_q_norm": ("q_norm", 0),
+    "attn_k_norm": ("k_norm", 0), "attn_output": ("attn_out", 0),
+    "post_attention_norm": ("post_attn", 0), "ffn_norm": ("ln_mlp", 0),
+    "ffn_gate": ("mlp_in", 0), "ffn_up": ("mlp_in", 1),
+    "ffn_down": ("mlp_out", 0), "post_ffw_norm": ("post_mlp", 0),
 }
-_GEMMA_BLOCK = dict(_BLOCK, ffn_norm="pre_feedforward_layernorm",
-                    post_attention_norm="post_attention_layernorm",
-                    post_ffw_norm="post_feedforward_layernorm")
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-        "output": "lm_head"}
-# Gemma 3 constants llama.cpp hard-codes rather than stores: every sixth layer
-# is global, the others slide with rotary base 10000.
-_GEMMA3_GLOBAL_EVERY = 6
-_GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 # Pre-tokenizer splits of byte-level vocabularies (tokenizer.ggml.pre), the
 # regexes the merges were learned with; GPT-2's own is ByteLevel's default.
 _LLAMA3_SPLIT = (
@@ -133,18 +133,25 @@ def _rope_scaling(meta: _Metadata, key) -> RopeScaling | None:
   return None
 
 
+def _family_of(meta: _Metadata) -> families.Family:
+  """The family of the file's general.architecture; ValueError if none."""
+  arch = meta.require("general.architecture")
+  if arch not in _BY_ARCHITECTURE:
+    raise ValueError(f"{meta.path}: architecture {arch!r} is not supported; "
+                     f"spec_jax reads {', '.join(_BY_ARCHITECTURE)} GGUF "
+                     "files.")
+  return _BY_ARCHITECTURE[arch]
+
+
 def config_from_gguf(meta: _Metadata, tensors: set[str],
                      dtype: str = "float32") -> TransformerConfig:
   """The TransformerConfig that the metadata and tensor names describe."""
-  arch = meta.require("general.architecture")
-  if arch not in ARCHITECTURES:
-    raise ValueError(f"{meta.path}: architecture {arch!r} is not supported; "
-                     f"spec_jax reads {', '.join(ARCHITECTURES)} GGUF files.")
+  family = _family_of(meta)
   if "rope_freqs.weight" in tensors:
     raise ValueError(f"{meta.path}: per-frequency rope factors "
                      "(rope_freqs.weight, Llama 3.1+ scaling) are not "
                      "supported; load the safetensors folder with load_hf.")
-  key = lambda name: f"{arch}.{name}"
+  key = lambda name: f"{family.gguf.architecture}.{name}"
   d_model = int(meta.require(key("embedding_length")))
   heads = int(meta.require(key("attention.head_count")))
   head_dim = int(meta.get(key("attention.key_length"), d_model // heads))
@@ -152,46 +159,41 @@ def config_from_gguf(meta: _Metadata, tensors: set[str],
     raise ValueError(f"{meta.path}: key and value head sizes differ; not "
                      "supported.")
   num_layers = int(meta.require(key("block_count")))
-  common = dict(
+  fields = dict(
+      family.switches,
       vocab_size=int(meta.get(key("vocab_size"),
                               len(meta.require("tokenizer.ggml.tokens")))),
       d_model=d_model, num_layers=num_layers, num_heads=heads,
       num_kv_heads=int(meta.get(key("attention.head_count_kv"), heads)),
       head_dim=head_dim, d_ff=int(meta.require(key("feed_forward_length"))),
       max_len=int(meta.require(key("context_length"))), dtype=dtype,
-      norm="rms",
       norm_eps=float(meta.require(key("attention.layer_norm_rms_epsilon"))),
-      position="rope", rope_theta=float(meta.get(key("rope.freq_base"),
-                                                 10_000.0)),
-      rope_scaling=_rope_scaling(meta, key), mlp="swiglu", bias=False,
+      rope_theta=float(meta.get(key("rope.freq_base"), 10_000.0)),
+      rope_scaling=_rope_scaling(meta, key),
       qkv_bias="blk.0.attn_q.bias" in tensors,
       tie_embeddings="output.weight" not in tensors)
-  if arch == "qwen3":
-    common.update(qk_norm=True)
-  if arch == "gemma3":
-    # llama.cpp scales queries by 1/sqrt(head_dim), except for the 27B model
-    # (62 layers), whose query_pre_attn_scalar is d_model / heads.
-    scalar = d_model // heads if num_layers == 62 else head_dim
-    common.update(
-        norm="gemma_rms", qk_norm=True, post_norms=True, mlp="geglu",
-        embed_scale=True, query_pre_attn_scalar=float(scalar),
-        sliding_window=int(meta.require(key("attention.sliding_window"))),
-        layer_types=tuple(
-            "full" if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0 else "sliding"
-            for i in range(num_layers)),
-        rope_local_theta=_GEMMA3_LOCAL_ROPE_THETA)
-  return TransformerConfig(**common)
+  fields.update({field: meta.require(key(name))
+                 for field, name in family.gguf.keys.items()})
+  if family.global_every is not None:
+    # llama.cpp stores no layer types: the family's pattern holds.
+    fields.update(layer_types=hf.alternating_layer_types(
+        num_layers, family.global_every))
+  if family.gguf.hard_coded is not None:
+    fields.update(family.gguf.hard_coded(fields))
+  return TransformerConfig(**fields)
 
 
-def _hf_name(name: str, arch: str) -> str | None:
+def _hf_name(name: str, layout: families.Layout) -> str | None:
   """The HF tensor name of a GGUF one, or None for a tensor we do not map."""
   stem, _, suffix = name.rpartition(".")
-  if stem in _TOP:
-    return f"{_TOP[stem]}.{suffix}"
+  if stem in _TOP and _TOP[stem] in layout.top:
+    return f"{layout.top[_TOP[stem]]}.{suffix}"
   parts = stem.split(".")
-  block = _GEMMA_BLOCK if arch == "gemma3" else _BLOCK
-  if len(parts) == 3 and parts[0] == "blk" and parts[2] in block:
-    return f"model.layers.{parts[1]}.{block[parts[2]]}.{suffix}"
+  if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK:
+    module, place = _BLOCK[parts[2]]
+    if module in layout.blocks:
+      return (f"{layout.block.format(i=parts[1])}"
+              f"{layout.blocks[module][place]}.{suffix}")
   return None
 
 
@@ -208,26 +210,28 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
   return shaped.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _hf_tensors(reader, config: TransformerConfig, arch: str, path) -> dict:
+def _hf_tensors(reader, config: TransformerConfig, family: families.Family,
+                path) -> dict:
   """{HF name: float32 array [out, in]} of every tensor in the file."""
   import gguf  # pylint: disable=import-outside-toplevel
   tensors = {}
   for tensor in reader.tensors:
-    name = _hf_name(tensor.name, arch)
+    name = _hf_name(tensor.name, family.layout)
     if name is None:
       raise ValueError(f"{path}: tensor {tensor.name!r} has no place in a "
-                       f"{arch} model; the file is not one spec_jax reads.")
+                       f"{family.gguf.architecture} model; the file is not "
+                       "one spec_jax reads.")
     # numpy order is GGUF's dimensions reversed: [out, in], as HF stores.
     weight = np.asarray(gguf.quants.dequantize(tensor.data,
                                                tensor.tensor_type),
                         np.float32)
-    if arch == "llama" and tensor.name.endswith((".attn_q.weight",
-                                                  ".attn_q.bias")):
+    if family.gguf.permuted_qk and tensor.name.endswith((".attn_q.weight",
+                                                          ".attn_q.bias")):
       weight = _unpermute(weight, config.num_heads)
-    elif arch == "llama" and tensor.name.endswith((".attn_k.weight",
-                                                    ".attn_k.bias")):
+    elif family.gguf.permuted_qk and tensor.name.endswith((".attn_k.weight",
+                                                            ".attn_k.bias")):
       weight = _unpermute(weight, config.num_kv_heads)
-    elif arch == "gemma3" and tensor.name.endswith("norm.weight"):
+    elif config.norm == "gemma_rms" and tensor.name.endswith("norm.weight"):
       weight = weight - 1  # Stored as 1 + w; our Gemma norm adds the 1.
     tensors[name] = weight
   return tensors
@@ -313,17 +317,15 @@ def _sentencepiece_bpe(meta: _Metadata) -> tokenizers.Tokenizer:
 def tokenizer_from_gguf(meta: _Metadata) -> tokenizers.Tokenizer:
   """The tokenizer the metadata describes, special tokens kept whole."""
   kind = meta.require("tokenizer.ggml.model")
-  if kind == "gpt2":
-    tokenizer = _byte_level_bpe(meta)
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", False)
-  elif kind == "llama" and meta.get("general.architecture") == "gemma3":
-    tokenizer = _sentencepiece_bpe(meta)
-    # llama.cpp adds BOS to SentencePiece vocabularies that do not say.
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", True)
-  else:
+  if kind not in _family_of(meta).gguf.tokenizers:
     raise ValueError(f"{meta.path}: tokenizer model {kind!r} is not "
                      "supported; spec_jax builds 'gpt2' (byte-level BPE) "
                      "tokenizers, and Gemma's 'llama' one.")
+  # llama.cpp adds BOS to SentencePiece vocabularies that do not say.
+  build, adds_bos = {"gpt2": (_byte_level_bpe, False),
+                     "llama": (_sentencepiece_bpe, True)}[kind]
+  tokenizer = build(meta)
+  add_bos = meta.get("tokenizer.ggml.add_bos_token", adds_bos)
   tokens = meta.require("tokenizer.ggml.tokens")
   types = meta.get("tokenizer.ggml.token_type") or [0] * len(tokens)
   vocab = tokenizer.get_vocab()
@@ -385,8 +387,7 @@ def load_gguf(path, dtype: str = "float32") -> bundle.ModelBundle:
   config = config_from_gguf(meta, names, dtype)
   _check_types(reader, path)
   tokenizer = tokenizer_from_gguf(meta)
-  arch = meta.get("general.architecture")
-  tensors = _hf_tensors(reader, config, arch, path)
+  tensors = _hf_tensors(reader, config, _family_of(meta), path)
   with jax.default_device(jax.local_devices(backend="cpu")[0]):
     params = hf.params_from_hf(tensors, config)
   chat_template = meta.get("tokenizer.chat_template")

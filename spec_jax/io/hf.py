@@ -1,18 +1,22 @@
-"""Hugging Face checkpoints: GPT-2, Llama, Qwen2, Qwen3, Mistral, Gemma 2 and
-Gemma 3 (text) folders in and out.
+"""Hugging Face checkpoints in and out, for the families in families.py:
+GPT-2, Llama, Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 (text).
 
 A Hugging Face model folder holds config.json, model.safetensors (or shards
 listed in model.safetensors.index.json) and tokenizer.json. `load_hf` reads
 one into a `Model`; `save_hf` writes a `Model` as one, so transformers and
 other tools run the same weights. No torch is needed for either.
 
-Parameter names map one to one, except that spec_jax fuses projections that
-run on the same input into one matmul: q, k and v into `qkv`, and Llama's gate
-and up into `mlp_in`. GPT-2's Conv1D kernels are stored [in, out], the
-transpose of ours. Gemma's norms are stored as w and scale by 1 + w, in both.
+What is particular to a family (its config.json keys, switches and tensor
+names) is its record in families.py; the code here reads and writes any of
+them. Parameter names map one to one, except that spec_jax fuses projections
+that run on the same input into one matmul: q, k and v into `qkv`, and
+Llama's gate and up into `mlp_in`. GPT-2's Conv1D kernels are stored [in,
+out], the transpose of ours. Gemma's norms are stored as w and scale by
+1 + w, in both.
 """
 
 import contextlib
+import dataclasses
 import json
 import pathlib
 import re
@@ -24,53 +28,43 @@ import safetensors.flax
 import tokenizers
 
 from spec_jax import sharding
+from spec_jax.io import families
 from spec_jax.io import files
 from spec_jax.io import pretrained
 from spec_jax.io.bundle import ModelBundle
 from spec_jax.model import Model, RopeScaling, TransformerConfig
+from spec_jax.model import abstract_params
 
-FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2",
-            "gemma3_text")
+_BY_MODEL_TYPE = {family.model_type: family for family in families.FAMILIES}
 # HF layer_types names <-> ours.
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
-# Buffers some checkpoints store that are not parameters.
-_BUFFERS = re.compile(r".*(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
+# The HF names of each of our MLP nonlinearities; the first is written.
+_ACTIVATIONS = {"gelu": ("gelu_new", "gelu_pytorch_tanh"),
+                "swiglu": ("silu",), "geglu": ("gelu_pytorch_tanh",)}
+# Fields read as floats whatever number config.json writes (256 for 256.0),
+# so that equal checkpoints give equal configs.
+_FLOATS = {field.name for field in dataclasses.fields(TransformerConfig)
+           if field.type in (float, float | None)}
 
 
-def family(config: TransformerConfig) -> str:
-  """The HF architecture whose layout holds this config exactly."""
-  has = lambda **switches: all(getattr(config, k) == v
-                                for k, v in switches.items())
-  gemma_only = has(post_norms=False, embed_scale=False,
-                   query_pre_attn_scalar=None, rope_local_theta=None,
-                   attn_softcap=None, final_softcap=None)
-  if has(norm="layer", position="learned", mlp="gelu", qkv_bias=True,
-         bias=True, tie_embeddings=True, qk_norm=False, sliding_window=None,
-         num_kv_heads=config.num_heads) and gemma_only:
-    return "gpt2"
-  if has(norm="rms", position="rope", mlp="swiglu", bias=False) and gemma_only:
-    if config.sliding_window is not None:
-      if has(layer_types=None, qk_norm=False, qkv_bias=False):
-        return "mistral"
-    elif config.qk_norm:
-      if not config.qkv_bias:
-        return "qwen3"
-    else:
-      return "qwen2" if config.qkv_bias else "llama"
-  if has(norm="gemma_rms", position="rope", mlp="geglu", bias=False,
-         qkv_bias=False, post_norms=True, embed_scale=True,
-         tie_embeddings=True) and config.layer_types is not None:
-    if config.qk_norm and config.attn_softcap is None and (
-        config.final_softcap is None):
-      return "gemma3_text"
-    if not config.qk_norm and config.rope_local_theta is None and (
-        config.rope_scaling is None):
-      return "gemma2"
+def family_of(config: TransformerConfig) -> families.Family:
+  """The family whose checkpoints hold this config exactly: the config has
+  the family's switches and what else the family requires."""
+  for family in families.FAMILIES:
+    conditions = {**family.switches, **family.requires}
+    fixed = {k: v for k, v in conditions.items() if v != families.SET}
+    try:
+      # num_kv_heads=None in GPT-2's switches is normalised to num_heads.
+      same = dataclasses.replace(config, **fixed) == config
+    except ValueError:  # The switches contradict the config's other fields.
+      same = False
+    if same and all(getattr(config, k) is not None
+                    for k, v in conditions.items() if v == families.SET):
+      return family
   raise ValueError(
-      f"no Hugging Face architecture matches {config}; export supports GPT-2 "
-      "(layer norm, learned positions, GELU, biases, tied embeddings), "
-      "Llama/Qwen2/Qwen3/Mistral (RMS norm, rope, SwiGLU, no output biases) "
-      "and Gemma 2/3 (Gemma norms, four per block, GeGLU, tied embeddings).")
+      f"no Hugging Face family holds {config}; save_hf writes "
+      f"{', '.join(_BY_MODEL_TYPE)}, each with the switches (norm, position, "
+      "mlp, biases...) that its record in spec_jax/io/families.py sets.")
 
 
 def _rope(hf: dict, layer_type: str | None = None
@@ -107,68 +101,57 @@ def _rope(hf: dict, layer_type: str | None = None
       original_max_len=int(params["original_max_position_embeddings"]))
 
 
-def _gpt2_config(hf: dict, dtype: str) -> TransformerConfig:
-  activation = hf.get("activation_function", "gelu_new")
-  if activation not in ("gelu_new", "gelu_pytorch_tanh"):
-    raise ValueError(f"GPT-2 activation {activation!r} is not supported; "
-                     "only the tanh GELU ('gelu_new') is.")
-  if (not hf.get("scale_attn_weights", True)
-      or hf.get("scale_attn_by_inverse_layer_idx", False)):
-    raise ValueError("GPT-2 attention scaling other than 1/sqrt(head_dim) "
-                     "is not supported.")
-  if not hf.get("tie_word_embeddings", True):
-    raise ValueError("GPT-2 with untied embeddings is not supported.")
-  return TransformerConfig(
-      vocab_size=hf["vocab_size"], d_model=hf["n_embd"],
-      num_layers=hf["n_layer"], num_heads=hf["n_head"],
-      d_ff=hf.get("n_inner") or 4 * hf["n_embd"],
-      max_len=hf["n_positions"], dtype=dtype,
-      norm_eps=hf.get("layer_norm_epsilon", 1e-5))
-
-
-def _check_supported(hf: dict, model_type: str, gemma: bool) -> None:
-  """Raises ValueError on features of a Llama-like config we do not run."""
-  if model_type not in FAMILIES:
-    raise ValueError(f"model_type {model_type!r} is not supported; spec_jax "
-                     f"reads {', '.join(FAMILIES)}.")
-  activation = hf.get("hidden_activation" if gemma else "hidden_act",
-                      "gelu_pytorch_tanh" if gemma else "silu")
-  if activation != ("gelu_pytorch_tanh" if gemma else "silu"):
+def _check_supported(hf: dict, family: families.Family) -> None:
+  """Raises ValueError on config.json features spec_jax does not run."""
+  accepted = _ACTIVATIONS[family.switches["mlp"]]
+  activation = hf.get(family.activation, accepted[0])
+  if activation not in accepted:
     raise ValueError(f"activation {activation!r} is not supported for "
-                     f"{model_type}.")
-  if hf.get("mlp_bias", False) or (model_type != "qwen2"
-                                    and hf.get("attention_bias", False)):
-    raise ValueError(f"{model_type} with attention_bias or mlp_bias is not "
-                     "supported.")
-  if hf.get("use_sliding_window", False) and model_type in ("qwen2", "qwen3"):
-    raise ValueError(f"{model_type} sliding-window attention "
-                     "(use_sliding_window) is not supported.")
-  if hf.get("use_bidirectional_attention"):
-    raise ValueError("bidirectional attention is not supported.")
+                     f"{family.model_type}; spec_jax runs "
+                     f"{' or '.join(map(repr, accepted))}.")
+  for key, value in family.checks.items():
+    if hf.get(key) not in (None, value):
+      raise ValueError(f"{family.model_type} with {key}={hf[key]!r} is not "
+                       f"supported; spec_jax runs {key}={value!r}.")
 
 
-def _gemma_fields(hf: dict, model_type: str) -> dict:
-  """The TransformerConfig switches of Gemma 2 and Gemma 3 text."""
-  every = 6 if model_type == "gemma3_text" else 2
-  layer_types = hf.get("layer_types") or [
-      "full_attention" if (i + 1) % hf.get("sliding_window_pattern", every)
-      == 0 else "sliding_attention" for i in range(hf["num_hidden_layers"])]
-  fields = dict(
-      norm="gemma_rms", mlp="geglu", post_norms=True, embed_scale=True,
-      query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
-      sliding_window=hf.get("sliding_window", 4096),
-      layer_types=tuple(_LAYER_TYPES[t] for t in layer_types),
-      attn_softcap=hf.get("attn_logit_softcapping"),
-      final_softcap=hf.get("final_logit_softcapping"))
-  if model_type == "gemma3_text":
+def _read_keys(hf: dict, family: families.Family) -> dict:
+  """The fields config.json holds under the family's keys, with the
+  family's defaults where it holds none."""
+  fields, derived = {}, {}
+  for field, (key, default) in family.keys.items():
+    if hf.get(key) is not None or default == families.REQUIRED:
+      fields[field] = hf[key]  # A KeyError names a missing key.
+    elif callable(default):
+      derived[field] = default
+    else:
+      fields[field] = default
+  fields.update({field: default(fields) for field, default in derived.items()})
+  return {field: float(value) if field in _FLOATS and value is not None
+          else value for field, value in fields.items()}
+
+
+def _rope_fields(hf: dict, family: families.Family) -> dict:
+  """rope_theta and rope_scaling; rope_local_theta too where the family's
+  sliding layers have their own base."""
+  theta, scaling = _rope(
+      hf, "full_attention" if family.global_every is not None else None)
+  fields = dict(rope_theta=theta, rope_scaling=scaling)
+  if family.local_rope:
     local_theta, local_scaling = _rope(
         dict(hf, rope_theta=hf.get("rope_local_base_freq", 10_000.0),
              rope_scaling=None), "sliding_attention")
     if local_scaling is not None:
-      raise ValueError("rope scaling on Gemma 3's sliding layers is not "
-                       "supported.")
+      raise ValueError(f"rope scaling on {family.model_type}'s sliding layers "
+                       "is not supported.")
     fields.update(rope_local_theta=local_theta)
   return fields
+
+
+def alternating_layer_types(num_layers: int, every: int) -> tuple[str, ...]:
+  """Every `every`-th layer "full", the others "sliding" (Gemma's pattern)."""
+  return tuple("full" if (i + 1) % every == 0 else "sliding"
+               for i in range(num_layers))
 
 
 def config_from_hf(hf: dict, dtype: str = "float32") -> TransformerConfig:
@@ -176,31 +159,24 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> TransformerConfig:
   raise ValueError rather than load into a model that computes something
   else."""
   model_type = hf.get("model_type")
-  if model_type == "gpt2":
-    return _gpt2_config(hf, dtype)
-  gemma = model_type in ("gemma2", "gemma3_text")
-  _check_supported(hf, model_type, gemma)
-  heads = hf["num_attention_heads"]
-  theta, scaling = _rope(hf, "full_attention" if gemma else None)
-  fields = dict(
-      vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
-      num_layers=hf["num_hidden_layers"], num_heads=heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-      d_ff=hf["intermediate_size"], max_len=hf["max_position_embeddings"],
-      dtype=dtype, norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6),
-      position="rope", rope_theta=theta, rope_scaling=scaling, mlp="swiglu",
-      num_kv_heads=hf.get("num_key_value_heads") or heads,
-      qkv_bias=model_type == "qwen2", bias=False,
-      tie_embeddings=hf.get("tie_word_embeddings", gemma),
-      qk_norm=model_type in ("qwen3", "gemma3_text"))
-  if model_type == "mistral":
-    fields.update(sliding_window=hf.get("sliding_window"))
-  if gemma:
-    fields.update(_gemma_fields(hf, model_type))
+  if model_type not in _BY_MODEL_TYPE:
+    raise ValueError(f"model_type {model_type!r} is not supported; spec_jax "
+                     f"reads {', '.join(_BY_MODEL_TYPE)}.")
+  family = _BY_MODEL_TYPE[model_type]
+  _check_supported(hf, family)
+  fields = dict(family.switches, dtype=dtype, **_read_keys(hf, family))
+  if family.global_every is not None:
+    types = hf.get("layer_types")
+    fields.update(layer_types=tuple(_LAYER_TYPES[t] for t in types) if types
+                  else alternating_layer_types(
+                      fields["num_layers"],
+                      hf.get("sliding_window_pattern", family.global_every)))
+  if fields["position"] == "rope":
+    fields.update(_rope_fields(hf, family))
   return TransformerConfig(**fields)
 
 
-def _rope_to_hf(config: TransformerConfig) -> dict:
+def _rope_parameters(config: TransformerConfig) -> dict:
   """HF rope_parameters of the (global) rotary embedding."""
   scaling = config.rope_scaling
   if scaling is None:
@@ -215,63 +191,47 @@ def _rope_to_hf(config: TransformerConfig) -> dict:
           "original_max_position_embeddings": scaling.original_max_len}
 
 
-def _family_to_hf(config: TransformerConfig, kind: str) -> dict:
-  """The config.json fields only Mistral and Gemma have."""
-  if kind == "mistral":
-    return {"sliding_window": config.sliding_window}
-  if kind not in ("gemma2", "gemma3_text"):
-    return {}
-  names = {ours: theirs for theirs, ours in _LAYER_TYPES.items()}
-  return {"hidden_activation": "gelu_pytorch_tanh",
-          # An int where it is one: transformers' config type-checks it.
-          "query_pre_attn_scalar": _int_if_whole(
-              config.query_pre_attn_scalar or config.head_dim),
-          "sliding_window": config.sliding_window,
-          "layer_types": [names[t] for t in config.layer_types],
-          "attn_logit_softcapping": config.attn_softcap,
-          "final_logit_softcapping": config.final_softcap}
+def _rope_to_hf(config: TransformerConfig, local: bool) -> dict:
+  """The config.json rope keys, in both styles, so that older and newer
+  transformers read them alike; per layer type if `local` (the sliding
+  layers' own base, Gemma 3's)."""
+  rope = _rope_parameters(config)
+  if not local:
+    return {"rope_theta": config.rope_theta, "rope_parameters": rope,
+            "rope_scaling": rope if config.rope_scaling is not None else None}
+  sliding = {"rope_type": "default",
+             "rope_theta": config.rope_local_theta or config.rope_theta}
+  return {"rope_local_base_freq": sliding["rope_theta"],
+          "rope_theta": config.rope_theta,
+          "rope_parameters": {"full_attention": rope,
+                              "sliding_attention": sliding},
+          "rope_scaling": None}
+
+
+def _value_to_hf(config: TransformerConfig, field: str):
+  value = getattr(config, field)
+  if field == "query_pre_attn_scalar":
+    # None means head_dim. An int where it is one: transformers' config
+    # type-checks it.
+    return _int_if_whole(value or config.head_dim)
+  return value
 
 
 def config_to_hf(config: TransformerConfig) -> dict:
-  """The HF config.json dict of a config that `family` accepts."""
-  kind = family(config)
-  if kind == "gpt2":
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": config.vocab_size, "n_embd": config.d_model,
-        "n_layer": config.num_layers, "n_head": config.num_heads,
-        "n_inner": config.d_ff, "n_positions": config.max_len,
-        "layer_norm_epsilon": config.norm_eps,
-        "activation_function": "gelu_new", "tie_word_embeddings": True,
-        "dtype": config.dtype,
-    }
-  rope = _rope_to_hf(config)
-  architecture = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3",
-                  "mistral": "Mistral", "gemma2": "Gemma2",
-                  "gemma3_text": "Gemma3"}[kind] + "ForCausalLM"
-  extra = _family_to_hf(config, kind)
-  if kind == "gemma3_text":
-    local = {"rope_type": "default",
-             "rope_theta": config.rope_local_theta or config.rope_theta}
-    extra.update(rope_local_base_freq=local["rope_theta"])
-    rope = {"full_attention": rope, "sliding_attention": local}
-  return {
-      "architectures": [architecture], **extra,
-      "model_type": kind, "vocab_size": config.vocab_size,
-      "head_dim": config.head_dim,
-      "hidden_size": config.d_model, "num_hidden_layers": config.num_layers,
-      "num_attention_heads": config.num_heads,
-      "num_key_value_heads": config.num_kv_heads,
-      "intermediate_size": config.d_ff,
-      "max_position_embeddings": config.max_len,
-      "rms_norm_eps": config.norm_eps, "hidden_act": "silu",
-      "tie_word_embeddings": config.tie_embeddings,
-      # Both styles, so older and newer transformers read it alike.
-      "rope_theta": config.rope_theta, "rope_parameters": rope,
-      "rope_scaling": (rope if config.rope_scaling is not None
-                       and kind != "gemma3_text" else None),
-      "dtype": config.dtype,
-  }
+  """The HF config.json dict of a config that `family_of` accepts."""
+  family = family_of(config)
+  hf = {"architectures": [family.architecture],
+        "model_type": family.model_type}
+  hf.update({key: _value_to_hf(config, field)
+             for field, (key, _) in family.keys.items()})
+  hf[family.activation] = _ACTIVATIONS[config.mlp][0]
+  if family.global_every is not None:
+    names = {ours: theirs for theirs, ours in _LAYER_TYPES.items()}
+    hf["layer_types"] = [names[t] for t in config.layer_types]
+  if config.position == "rope":
+    hf.update(_rope_to_hf(config, family.local_rope))
+  hf["dtype"] = config.dtype
+  return hf
 
 
 def _int_if_whole(x: float) -> int | float:
@@ -281,57 +241,24 @@ def _int_if_whole(x: float) -> int | float:
 def _tensor_names(config: TransformerConfig) -> dict[tuple, list[str]]:
   """spec_jax parameter path -> the HF tensors stacked along the output axis
   (in this order) to form it."""
-  kind = family(config)
+  layout = family_of(config).layout
   names = {}
-  if kind == "gpt2":
-    names[("embed", "embedding")] = ["wte.weight"]
-    names[("positions",)] = ["wpe.weight"]
-    norms = {"ln_attn": "ln_1", "ln_mlp": "ln_2"}
-    linears = {"qkv": "attn.c_attn", "attn_out": "attn.c_proj",
-               "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj"}
-    for i in range(config.num_layers):
-      for modules, weight in ((norms, "scale"), (linears, "kernel")):
-        for ours, theirs in modules.items():
-          names[(f"block_{i}", ours, weight)] = [f"h.{i}.{theirs}.weight"]
-          names[(f"block_{i}", ours, "bias")] = [f"h.{i}.{theirs}.bias"]
-    names[("ln_final", "scale")] = ["ln_f.weight"]
-    names[("ln_final", "bias")] = ["ln_f.bias"]
-    return names
-  names[("embed", "embedding")] = ["model.embed_tokens.weight"]
-  # Gemma's post_attention_layernorm follows the attention; Llama's, under
-  # the same name, precedes the MLP.
-  norms = {"ln_attn": "input_layernorm", "ln_mlp": "post_attention_layernorm"}
-  if config.post_norms:
-    norms = {"ln_attn": "input_layernorm",
-             "post_attn": "post_attention_layernorm",
-             "ln_mlp": "pre_feedforward_layernorm",
-             "post_mlp": "post_feedforward_layernorm"}
-  if config.qk_norm:
-    norms.update(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
-  for i in range(config.num_layers):
-    prefix = f"model.layers.{i}."
-    block = f"block_{i}"
-    for ours, theirs in norms.items():
-      names[(block, ours, "scale")] = [f"{prefix}{theirs}.weight"]
-    names[(block, "qkv", "kernel")] = [
-        f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"]
-    if config.qkv_bias:
-      names[(block, "qkv", "bias")] = [
-          f"{prefix}self_attn.{p}_proj.bias" for p in "qkv"]
-    names[(block, "attn_out", "kernel")] = [prefix + "self_attn.o_proj.weight"]
-    names[(block, "mlp_in", "kernel")] = [prefix + "mlp.gate_proj.weight",
-                                        prefix + "mlp.up_proj.weight"]
-    names[(block, "mlp_out", "kernel")] = [prefix + "mlp.down_proj.weight"]
-  names[("ln_final", "scale")] = ["model.norm.weight"]
-  if not config.tie_embeddings:
-    names[("lm_head", "kernel")] = ["lm_head.weight"]
+  for keys, _ in jax.tree_util.tree_leaves_with_path(abstract_params(config)):
+    path = tuple(key.key for key in keys)
+    suffix = "bias" if path[-1] == "bias" else "weight"
+    if path[0].startswith("block_"):
+      prefix = layout.block.format(i=path[0].removeprefix("block_"))
+      names[path] = [f"{prefix}{module}.{suffix}"
+                     for module in layout.blocks[path[1]]]
+    else:
+      names[path] = [f"{layout.top[path[0]]}.{suffix}"]
   return names
 
 
-def _is_conv1d(config: TransformerConfig, name: str) -> bool:
-  """GPT-2 stores its projection kernels [in, out] (Conv1D)."""
-  return family(config) == "gpt2" and name.startswith("h.") and \
-      name.endswith(".weight") and ".ln_" not in name
+def _is_conv1d(layout: families.Layout, path: tuple) -> bool:
+  """Whether the checkpoint stores this parameter [in, out] (GPT-2's Conv1D
+  kernels)."""
+  return layout.conv1d and path[-1] == "kernel"
 
 
 def _set(tree: dict, path: tuple, value) -> None:
@@ -342,12 +269,12 @@ def _set(tree: dict, path: tuple, value) -> None:
 
 def params_from_hf(tensors: dict, config: TransformerConfig) -> dict:
   """spec_jax params from HF tensors {name: array}; checks names and shapes."""
-  if family(config) == "gpt2":  # GPT2LMHeadModel saves under "transformer.".
-    tensors = {name.removeprefix("transformer."): x
-               for name, x in tensors.items()}
+  layout = family_of(config).layout
+  tensors = {name.removeprefix(layout.strip): x
+             for name, x in tensors.items()}
   if config.tie_embeddings:  # Some checkpoints store the tied copy too.
-    tensors = {n: x for n, x in tensors.items() if n != "lm_head.weight"}
-  tensors = {n: x for n, x in tensors.items() if not _BUFFERS.match(n)}
+    tensors.pop(f"{layout.top['lm_head']}.weight", None)
+  tensors = {n: x for n, x in tensors.items() if not n.endswith(layout.buffers)}
   names = _tensor_names(config)
   wanted = {n for parts in names.values() for n in parts}
   missing, unexpected = wanted - tensors.keys(), tensors.keys() - wanted
@@ -355,13 +282,13 @@ def params_from_hf(tensors: dict, config: TransformerConfig) -> dict:
     raise ValueError(
         f"the checkpoint's tensors do not match its config.json: missing "
         f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}.")
-  expected = jax.eval_shape(lambda: Model.init(config, jax.random.key(0)))
+  expected = abstract_params(config)
   params = {}
   for path, parts in names.items():
-    arrays = [tensors[n].T if _is_conv1d(config, n) else tensors[n]
+    arrays = [tensors[n].T if _is_conv1d(layout, path) else tensors[n]
               for n in parts]
     value = jnp.concatenate([jnp.asarray(a, config.dtype) for a in arrays])
-    shape = expected.params
+    shape = expected
     for key in path:
       shape = shape[key]
     if value.shape != shape.shape:
@@ -373,19 +300,20 @@ def params_from_hf(tensors: dict, config: TransformerConfig) -> dict:
 
 def params_to_hf(params: dict, config: TransformerConfig) -> dict:
   """HF tensors {name: array} of spec_jax params."""
+  layout = family_of(config).layout
   tensors = {}
   for path, parts in _tensor_names(config).items():
     value = params
     for key in path:
       value = value[key]
-    if parts[0].endswith("q_proj.weight") or parts[0].endswith("q_proj.bias"):
+    if path[-2:-1] == ("qkv",) and len(parts) == 3:  # q, k and v rows.
       rows = config.head_dim * np.array(
           [config.num_heads, config.num_kv_heads, config.num_kv_heads])
       pieces = jnp.split(value, np.cumsum(rows)[:-1])
     else:
       pieces = jnp.split(value, len(parts))
     for name, piece in zip(parts, pieces):
-      tensors[name] = piece.T if _is_conv1d(config, name) else piece
+      tensors[name] = piece.T if _is_conv1d(layout, path) else piece
   return tensors
 
 
@@ -443,12 +371,6 @@ def load_stop_ids(path) -> tuple[int, ...]:
   return tuple(eos) if isinstance(eos, list) else (eos,)
 
 
-def load_eos_id(path) -> int | None:
-  """The checkpoint's end-of-sequence id (the first, if it lists several)."""
-  stop_ids = load_stop_ids(path)
-  return stop_ids[0] if stop_ids else None
-
-
 def load_chat_template(folder: pathlib.Path) -> tuple[str | None, dict]:
   """The chat template and the special tokens it may name, from
   chat_template.jinja (newer transformers) or tokenizer_config.json."""
@@ -472,7 +394,7 @@ def load_chat_template(folder: pathlib.Path) -> tuple[str | None, dict]:
 
 def load_hf(path, dtype: str = "float32", mesh=None,
             replicate: bool = False) -> ModelBundle:
-  """Reads a Hugging Face GPT-2, Llama or Qwen2 model.
+  """Reads a Hugging Face model of one of the families in families.py.
 
   Args:
     path: a local folder with config.json, model.safetensors (or a sharded
@@ -516,9 +438,9 @@ def save_hf(path, model: Model, tokenizer: tokenizers.Tokenizer,
             eos_id: int | None = None) -> None:
   """Writes model as a Hugging Face folder that transformers loads.
 
-  GPT-2-like configs are written as GPT2LMHeadModel, Llama-like ones as
-  LlamaForCausalLM or Qwen2ForCausalLM. The folder is written under a
-  temporary name and renamed when complete.
+  The config is written as the architecture of the family that holds it
+  (`family_of`: GPT2LMHeadModel for the built-in pair, LlamaForCausalLM...).
+  The folder is written under a temporary name and renamed when complete.
 
   eos_id: by default the tokenizer's "<|endoftext|>", if it has one.
   """
