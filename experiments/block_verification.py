@@ -28,7 +28,7 @@ def main(argv):
   records.check_writable(_WORKDIR.value)
   loaded, prompts = loading.load_experiment(config)
   print(f"{loaded.describe()}, {len(prompts.texts)} prompts", flush=True)
-  rows = block_verification.block_vs_token(config, loaded, prompts)
+  rows = block_verification.compare_rules(config, loaded, prompts)
   print(block_verification.format_table(rows))
   path = os.path.join(_WORKDIR.value, "block_verification.json")
   records.write_results(path, config, {"rows": rows})

@@ -11,7 +11,7 @@ from ml_collections import config_flags
 
 from experiments import harness
 from experiments.harness import config as config_lib
-from experiments.harness import loading, plots, records, gamma_sweep
+from experiments.harness import gamma_sweep, loading, plots, records
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Sweep config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where to write the results.")

@@ -13,7 +13,7 @@ root-to-node path of it (`rules.resample_tree`); both caches then move that
 path's keys and values next to the context (`KVCache.compact`), so that the
 same invariant holds and rollback stays a pointer move.
 
-`speculative_cycle` is the cycle itself (propose, then `resample_proposal`:
+`speculative_cycle` is the cycle itself (propose, then `verify_and_resample`:
 verify and the rule, a tree's compaction, then `Cycle.advance`); the loop
 around it only emits tokens and counts, and the harness times this same
 function.
@@ -27,9 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import sharding
-from spec_jax import rules
-from spec_jax.drafting import Drafter, DraftState, Proposal, VerifyOutput
+from spec_jax import rules, sharding
+from spec_jax.drafting import DraftState, Drafter, Proposal, VerifyOutput
 from spec_jax.kv_cache import KVCache
 from spec_jax.model import Model
 from spec_jax.sampling import Sampling
@@ -162,6 +161,8 @@ class Cycle:
 
   tokens: jax.Array  # [B, T] the accepted drafts, then the correction/bonus.
   num_accepted: jax.Array  # [B]
+  # What was proposed (its probs and parents feed the statistics) and what
+  # the target computed over it (its hidden states feed `drafter.update`).
   proposal: Proposal
   verified: VerifyOutput
   width: jax.Array  # [] int32, the index of the verify width that ran.
@@ -228,7 +229,7 @@ def _resample_tree(key, target, drafter, proposal, tokens, lengths,
                  drafter.compact(proposal.state, lengths, path))
 
 
-def resample_proposal(key, target: Model, drafter: Drafter,
+def verify_and_resample(key, target: Model, drafter: Drafter,
                       proposal: Proposal, tokens, lengths, active,
                       config: DecodeConfig) -> Cycle:
   """The verify and rejection half of a cycle: the target scores a
@@ -268,7 +269,7 @@ def speculative_cycle(propose_key, resample_key, target: Model,
   with jax.named_scope("propose"):
     proposal = drafter.propose(draft_state, target_cache, tokens, lengths,
                                propose_key, config.gamma, config.sampling)
-  return resample_proposal(resample_key, target, drafter, proposal, tokens,
+  return verify_and_resample(resample_key, target, drafter, proposal, tokens,
                            lengths, active, config)
 
 

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.kv_cache import KVCache
-from spec_jax.sampling import Sampling
 from spec_jax.rules.tree import UNUSED
+from spec_jax.sampling import Sampling
 
 
 @dataclasses.dataclass(frozen=True)

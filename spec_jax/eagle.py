@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax.drafting import DraftLoop, Proposal, check_vocabulary
 from spec_jax.io import files
-from spec_jax.drafting import Proposal, DraftLoop, check_vocabulary
 from spec_jax.kv_cache import KVCache, init_cache
 from spec_jax.model import (Block, Linear, Model, TransformerConfig, _norm,
                             visible_slots)

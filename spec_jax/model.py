@@ -1,11 +1,11 @@
 """A decoder-only transformer whose KV cache is an explicit pytree.
 
-The KV cache is an explicit pytree (`kv_cache.KVCache`), passed in and
-returned, so one call writes any number of tokens at each row's own
-positions; kv_cache.py says why stale slots never leak.
+The cache (`kv_cache.KVCache`) is passed in and returned, so one call writes
+any number of tokens at each row's own positions; kv_cache.py says why stale
+slots never leak.
 
 Layers are separate parameter and cache arrays, unrolled in Python: on CPU this
-was measurably faster than `lax.scan` over stacked layers (see README).
+was measurably faster than `lax.scan` over stacked layers.
 
 One block covers the families of published checkpoints, chosen by config
 switches whose defaults are GPT-2's (and the built-in pair's):

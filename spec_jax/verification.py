@@ -1,4 +1,10 @@
-"""verify: the target scores every proposed token in one pass."""
+"""verify: the target scores every proposed token in one pass.
+
+It gives the target's laws p at every draft position (a chain's, or a tree's
+nodes under an ancestor mask); the rules in spec_jax/rules/ (`resample`,
+`resample_block`, `resample_tree`) then decide from p and q what the cycle
+emits. `decoding.verify_and_resample` runs the two together.
+"""
 
 import jax
 import jax.numpy as jnp

@@ -41,7 +41,7 @@ def tiny_pair(vocab_size=16, max_len=64, sharpness=12.0, draft_noise=0.2,
   params["positions"] = params["positions"] * 100
   target = target.replace(params=params)
   return target, target.replace(params=_perturb(target.params, noise_key,
-                                               draft_noise))
+                                                draft_noise))
 
 
 @jax.jit

@@ -20,8 +20,7 @@ import numpy as np
 
 import spec_jax as sj
 from spec_jax import decoding, sharding
-from spec_jax.io import checkpoint
-from spec_jax.io import pretrained
+from spec_jax.io import checkpoint, pretrained
 
 TEXTS = ["def main(argv):\n", "import os\nimport sys\n", "class Foo(object):",
          "    return self.", "for i in range(", "# Copyright 2001", "x = [",

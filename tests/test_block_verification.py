@@ -40,7 +40,7 @@ def token_emission_law(draft_tokens, draft_probs, target_probs):
 def wrong_stop_is_weight(draft_tokens, draft_probs, target_probs):
   """A wrong block rule: h_i = w_i, dropping the residual-mass term."""
   w = np.asarray(rules.block.weights(draft_tokens, draft_probs,
-                                            target_probs), np.float64)
+                                     target_probs), np.float64)
   h = w.copy()
   h[:, 0] = 1.0
   later_kept = np.cumprod((1 - h)[:, :0:-1], axis=1)[:, ::-1]
@@ -281,7 +281,7 @@ def test_block_greedy_is_token_greedy():
   draft_tokens = jnp.array([[3, 1, 5]], jnp.int32)
   draft_probs = jax.nn.one_hot(draft_tokens, 6)
   results = [RULES[method](jax.random.key(0), draft_tokens, draft_probs,
-                            target_probs, greedy=True)
+                           target_probs, greedy=True)
              for method in ("token", "block")]
   for token_result, block_result in zip(*results):
     np.testing.assert_array_equal(token_result, block_result)

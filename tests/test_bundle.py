@@ -7,9 +7,7 @@ import jinja2
 import pytest
 
 import spec_jax as sj
-from spec_jax.io import checkpoint
-from spec_jax.io import hf
-from spec_jax.io import pretrained
+from spec_jax.io import checkpoint, hf, pretrained
 from spec_jax.io.bundle import ModelBundle
 
 # Uses what real templates use: a system message, raise_exception, loop

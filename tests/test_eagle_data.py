@@ -9,8 +9,7 @@ import pytest
 
 import spec_jax as sj
 from experiments.harness import eagle_data
-from spec_jax.io import checkpoint
-from spec_jax.io import pretrained
+from spec_jax.io import checkpoint, pretrained
 from spec_jax.io.bundle import ModelBundle
 
 LAYERS = (2, 4, 6)

@@ -10,9 +10,8 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="GGUF tests need `pip install gguf`")
 
 import spec_jax as sj
-from spec_jax.io import families
+from spec_jax.io import families, hf
 from spec_jax.io import gguf as sj_gguf
-from spec_jax.io import hf
 from test_hf import tiny_config
 
 # A byte-level vocabulary: the 256 byte symbols, two merges, two chat tokens.
@@ -206,7 +205,7 @@ def real_pair(request):
   """(spec_jax bundle, transformers model, transformers tokenizer)."""
   path = sj_gguf.packaged(request.param)
   if path is None:
-    pytest.skip(f"{request.param} is not installed; see the README.")
+    pytest.skip(f"{request.param} is not installed; see the README's set-up.")
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   torch_model = transformers.AutoModelForCausalLM.from_pretrained(

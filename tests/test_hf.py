@@ -13,10 +13,7 @@ import safetensors.flax
 import spec_jax as sj
 from experiments.harness import loading
 from spec_jax import sharding
-from spec_jax.io import checkpoint
-from spec_jax.io import families
-from spec_jax.io import hf
-from spec_jax.io import pretrained
+from spec_jax.io import checkpoint, families, hf, pretrained
 
 LLAMA_NEW_STYLE = {
     "model_type": "llama", "vocab_size": 512, "hidden_size": 96,

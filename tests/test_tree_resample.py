@@ -248,7 +248,7 @@ def test_unused_nodes_in_a_mixed_batch():
            np.pad(small_p, ((0, pad), (0, 0)), constant_values=0.25))
   rows = [full, small] * 10_000
   tokens, num_accepted, path = rules.resample_tree(jax.random.key(1),
-                                                  *_batch(rows))
+                                                   *_batch(rows))
   assert tokens.shape == (len(rows), 3) and path.shape == (len(rows), 2)
   assert int(num_accepted[1::2].max()) == 1
   _check_against_reference(rows, tokens, num_accepted, path)

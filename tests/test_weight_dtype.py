@@ -13,8 +13,7 @@ from configs import quickstart
 from experiments.harness import config as config_lib
 from experiments.harness import loading
 from spec_jax import sharding
-from spec_jax.io import checkpoint
-from spec_jax.io import pretrained
+from spec_jax.io import checkpoint, pretrained
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [13], [2, 7, 1, 8, 2]]
 

@@ -40,7 +40,7 @@ def _expected_accepted(draft_tokens, draft_probs, target_probs):
   accept = rules.acceptance_probs(draft_tokens, draft_probs, target_probs)
   token = jnp.cumprod(accept, axis=-1).sum(-1)
   law = rules.block.num_accepted_law(draft_tokens, draft_probs,
-                                            target_probs)
+                                     target_probs)
   block = (law * jnp.arange(law.shape[-1])).sum(-1)
   return token, block
 
@@ -80,7 +80,7 @@ def same_drafts(loaded: loading.Loaded, contexts, gamma: int, sampling,
           "block_lower_fraction": float((gain < -1e-6).mean())}
 
 
-def block_vs_token(config: ml_collections.ConfigDict, loaded: loading.Loaded,
+def compare_rules(config: ml_collections.ConfigDict, loaded: loading.Loaded,
                    prompts) -> list[dict]:
   """One row per (temperature, gamma): the paired comparison on the same
   drafts, and both rules in the full loop."""

@@ -12,9 +12,8 @@ import logging
 
 import ml_collections
 
-from experiments.harness import compare, gamma_sweep, loading, timing
+from experiments.harness import compare, gamma_sweep, loading, records, timing
 from experiments.harness import config as config_lib
-from spec_jax import theory
 from spec_jax.decoding import pad_prompts
 
 _log = logging.getLogger(__name__)
@@ -32,7 +31,6 @@ def _variants(config: ml_collections.ConfigDict):
 
 def _row(name, variant, overrides, run, costs: timing.Costs) -> dict:
   sd = run["sd"]
-  depth = len(sd["position_acceptance"])
   return {
       "variant": name, "drafter": variant.drafter, "gamma": run["gamma"],
       "temperature": run["temperature"],
@@ -41,9 +39,8 @@ def _row(name, variant, overrides, run, costs: timing.Costs) -> dict:
       "tokens_per_cycle": sd["tokens_per_cycle"],
       "position_acceptance": sd["position_acceptance"],
       **costs.as_row(),
-      "predicted_speedup": float(theory.speedup_from_depth_acceptance(
-          sd["position_acceptance"], depth * costs.draft_cost_ratio,
-          costs.verify_cost_ratio)),
+      "predicted_speedup": costs.speedup_from_depth_acceptance(
+          sd["position_acceptance"]),
       "ar_tokens_per_s": run["ar"]["tokens_per_s"],
       "sd_tokens_per_s": sd["tokens_per_s"], "speedup": run["speedup"],
       "overrides": overrides}
@@ -65,9 +62,9 @@ def compare_drafters(config: ml_collections.ConfigDict) -> list[dict]:
           loaded.target.model, variant.batch_size, width, max_len,
           config_lib.sampling(variant, temperature),
           steps=variant.max_new_tokens)
-      run, parts = gamma_sweep.measure_row(variant, variant.gamma, temperature,
-                                     loaded, prompts, width, max_len,
-                                     target_timer)
+      run, parts = gamma_sweep.measure_row(
+          variant, variant.gamma, temperature, loaded, prompts, width,
+          max_len, target_timer)
       row = _row(name, variant, overrides, run,
                  timing.Costs(**parts, **target_timer.seconds()))
       result.append(row)
@@ -81,19 +78,14 @@ def compare_drafters(config: ml_collections.ConfigDict) -> list[dict]:
 
 
 def format_table(result: list[dict]) -> str:
-  width = max(len(r["variant"]) for r in result)
-  lines = [f"{'drafter':<{width}} {'T':>3} {'gamma':>5} {'alpha':>6} "
-           f"{'tau':>5} {'c':>6} {'verify':>6} {'AR tok/s':>8} "
-           f"{'SD tok/s':>8} {'speedup':>7} {'pred':>6}  acceptance by "
-           "position"]
-  for r in result:
-    by_position = " ".join(f"{a:.2f}" for a in r["position_acceptance"])
-    lines.append(
-        f"{r['variant']:<{width}} {r['temperature']:>3g} {r['gamma']:>5d} "
-        f"{r['alpha_min_pq']:>6.3f} {r['tokens_per_cycle']:>5.2f} "
-        f"{r['draft_cost_ratio']:>6.3f} "
-        f"{r['verify_cost_ratio']:>6.2f} "
-        f"{r['ar_tokens_per_s']:>8.1f} {r['sd_tokens_per_s']:>8.1f} "
-        f"{r['speedup']:>6.2f}x {r['predicted_speedup']:>5.2f}x  "
-        f"{by_position}")
-  return "\n".join(lines)
+  rows = [{**r, "by_position": " ".join(
+      f"{a:.2f}" for a in r["position_acceptance"])} for r in result]
+  return records.text_table(rows, [
+      ("drafter<", "{variant}"), ("T", "{temperature:g}"),
+      ("gamma", "{gamma:d}"), ("alpha", "{alpha_min_pq:.3f}"),
+      ("tau", "{tokens_per_cycle:.2f}"), ("c", "{draft_cost_ratio:.3f}"),
+      ("verify", "{verify_cost_ratio:.2f}"),
+      ("AR tok/s", "{ar_tokens_per_s:.1f}"),
+      ("SD tok/s", "{sd_tokens_per_s:.1f}"), ("speedup", "{speedup:.2f}x"),
+      ("pred", "{predicted_speedup:.2f}x"),
+      ("acceptance by position<", "{by_position}")])

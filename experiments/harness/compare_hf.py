@@ -18,9 +18,9 @@ import numpy as np
 
 from experiments.harness import config as config_lib
 from experiments.harness import loading, timing
-from spec_jax.io import hf
 from spec_jax.decoding import generate, generate_autoregressive
 from spec_jax.drafters import ModelDrafter
+from spec_jax.io import hf
 from spec_jax.stats import DecodeStats
 
 _log = logging.getLogger(__name__)

@@ -9,7 +9,6 @@ own fields. Lists are tuples, which read naturally on the command line:
 from old flags (gammas "1-10").
 """
 
-
 import ml_collections
 
 from spec_jax import rules
@@ -18,7 +17,7 @@ from spec_jax.draft_tree import TreeTemplate
 from spec_jax.sampling import Sampling
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
-# config.verification -> the decode's rule for a chain (`DecodeConfig.resample`).
+# config.verification -> a chain's rule (`DecodeConfig.resample`).
 RESAMPLERS = {"token": rules.resample, "block": rules.resample_block}
 
 
@@ -176,7 +175,8 @@ def tree(config: ml_collections.ConfigDict) -> tuple[int, ...]:
 
 def check(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError, before anything loads, on settings that cannot
-  work."""
+  work. The drafter's name is checked beside the drafters' registry
+  (`loading.check_drafter`)."""
   if config.verification not in RESAMPLERS:
     raise ValueError(f"verification={config.verification!r}: choose one of "
                      f"{tuple(RESAMPLERS)}.")

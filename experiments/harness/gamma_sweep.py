@@ -38,7 +38,7 @@ def _predictions(run: dict, costs: timing.Costs) -> dict:
   """The same work the measured runs did, priced at the component times:
   with the cycle timed whole (what the loop body costs), and from its parts
   (what gamma draft steps and a verify cost alone)."""
-  parts_cycle_s = run["gamma"] * costs.draft_step_s + costs.verify_s
+  parts_cycle_s = costs.parts_cycle_s(run["gamma"])
   work = dict(ar_steps=run["ar"]["steps"], sd_cycles=run["sd"]["cycles"],
               num_prefills=run["num_batches"],
               target_prefill_s=costs.target_prefill_s,

@@ -17,15 +17,11 @@ import numpy as np
 from experiments.harness import config as config_lib
 from experiments.harness import data
 from spec_jax import eagle, sharding
-from spec_jax.io import checkpoint
-from spec_jax.io import gguf
-from spec_jax.io import hf
-from spec_jax.io import pretrained
-from spec_jax.decoding import (DecodeConfig, generate_autoregressive,
-                               pad_prompts)
-from spec_jax.io.bundle import ModelBundle
+from spec_jax.decoding import DecodeConfig, generate_autoregressive, pad_prompts
 from spec_jax.drafters import (LayerSkipDrafter, ModelDrafter, NgramDrafter,
                                TreeDrafter)
+from spec_jax.io import checkpoint, gguf, hf, pretrained
+from spec_jax.io.bundle import ModelBundle
 from spec_jax.sampling import Sampling
 
 
@@ -133,8 +129,16 @@ DRAFTERS = {
 }
 
 
+def check_drafter(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError on a config.drafter that `DRAFTERS` lacks."""
+  if config.drafter not in DRAFTERS:
+    raise ValueError(f"drafter={config.drafter!r}: choose one of "
+                     f"{tuple(DRAFTERS)}.")
+
+
 def make_drafter(config: ml_collections.ConfigDict, target, draft=None):
   """The drafter config.drafter names (`DRAFTERS`), with its sub-config."""
+  check_drafter(config)
   return DRAFTERS[config.drafter](config, target, draft)
 
 
@@ -145,9 +149,7 @@ def load_models(config: ml_collections.ConfigDict, mesh=None) -> Loaded:
   With a mesh, params are loaded into their shardings.
   """
   config_lib.check(config)
-  if config.drafter not in DRAFTERS:
-    raise ValueError(f"drafter={config.drafter!r}: choose one of "
-                     f"{tuple(DRAFTERS)}.")
+  check_drafter(config)  # before anything loads
   if config.drafter == "model":
     target, draft = load_pair(config.target, config.draft, mesh,
                               config.mesh.replicate_draft)

@@ -6,13 +6,13 @@ Each component (a draft step, a target step, a verify with its rejection step,
 and a whole propose -> verify -> resample cycle) runs n times inside one jitted
 `fori_loop`, as it does inside the decode loop: no dispatch per call, caches
 updated in place. The verify and the cycle are the engine's own functions
-(`decoding.resample_proposal`, `decoding.speculative_cycle`), so a new rule or
-drafter is timed as the loop runs it. A component's time is the slope
+(`decoding.verify_and_resample`, `decoding.speculative_cycle`), so a new rule
+or drafter is timed as the loop runs it. A component's time is the slope
 (t(n_long) - t(n_short)) / (n_long - n_short), which removes launch and
 transfer costs; each t is the median of runs taken in rounds (`RoundTimer`)
-after a warm-up call that compiles. The cache pointer is put back after every iteration so all n calls
-attend over the same cache; attention reads every slot regardless of the
-pointer, so this costs what a mid-sequence call costs.
+after a warm-up call that compiles. The cache pointer is put back after every
+iteration so all n calls attend over the same cache; attention reads every
+slot regardless of the pointer, so this costs what a mid-sequence call costs.
 
 A cycle is timed whole as well as by its parts because on a CPU the two differ:
 here a cycle measured 4-20% more than gamma isolated draft steps plus an
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import decoding
+from spec_jax import decoding, theory
 from spec_jax.decoding import DecodeConfig
 from spec_jax.model import Model
 from spec_jax.sampling import Sampling
@@ -128,12 +128,12 @@ def _propose_steps(drafter, state, target_cache, tokens, lengths, verified,
 def _verify_steps(target: Model, drafter, proposal, tokens, lengths, key,
                   num_steps, config: DecodeConfig):
   """num_steps verify passes over a proposal's N + 1 tokens, each with its
-  rejection step (`decoding.resample_proposal`, as the loop runs them)."""
+  rejection step (`decoding.verify_and_resample`, as the loop runs them)."""
   active = jnp.ones(lengths.shape, bool)
 
   def step(i, carry):
     draft_tokens, cache = carry
-    cycle = decoding.resample_proposal(
+    cycle = decoding.verify_and_resample(
         jax.random.fold_in(key, i), target, drafter,
         proposal.replace(tokens=draft_tokens, target_cache=cache), tokens,
         lengths, active, config)
@@ -307,7 +307,7 @@ class CycleTimer:
                                key, config.gamma, config.sampling)
     proposal = proposal.replace(
         probs=jnp.full_like(proposal.probs, 1.0 / target.vocab_size))
-    verified = decoding.resample_proposal(
+    verified = decoding.verify_and_resample(
         key, target, drafter, proposal, tokens, lengths,
         jnp.ones(lengths.shape, bool), config).verified
     prompts = tokens[:, :prompt_width]
@@ -399,12 +399,30 @@ class Costs:
     """A whole propose -> verify -> resample cycle over a target step."""
     return self.cycle_s / self.target_step_s
 
+  def parts_cycle_s(self, draft_steps: int) -> float:
+    """A cycle priced from its parts: draft_steps draft steps and a verify."""
+    return draft_steps * self.draft_step_s + self.verify_s
+
+  def speedup_from_depth_acceptance(self, depth_acceptance,
+                                    verify_cost_ratio: float | None = None):
+    """`theory.speedup_from_depth_acceptance` at these costs: a cycle of one
+    draft step per depth (len(depth_acceptance)) and a verify of v, or of
+    verify_cost_ratio target steps instead (1.0: the papers' flat verify)."""
+    return float(theory.speedup_from_depth_acceptance(
+        depth_acceptance, len(depth_acceptance) * self.draft_cost_ratio,
+        self.verify_cost_ratio if verify_cost_ratio is None
+        else verify_cost_ratio))
+
   def as_row(self) -> dict:
-    """The ratios and the seconds, under the keys every results row uses."""
-    return {"draft_cost_ratio": self.draft_cost_ratio,
-            "verify_cost_ratio": self.verify_cost_ratio,
-            "cycle_cost_ratio": self.cycle_cost_ratio,
-            **dataclasses.asdict(self)}
+    """The ratios and the seconds measured, under the keys every results row
+    uses."""
+    ratios = {"draft_cost_ratio": self.draft_step_s,
+              "verify_cost_ratio": self.verify_s,
+              "cycle_cost_ratio": self.cycle_s}
+    seconds = {k: v for k, v in dataclasses.asdict(self).items()
+               if v is not None}
+    return {**{name: getattr(self, name) for name, part in ratios.items()
+               if part is not None}, **seconds}
 
 
 def speedup_over_ar(run: dict, ar_seconds: float) -> dict:

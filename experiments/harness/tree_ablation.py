@@ -24,7 +24,6 @@ import numpy as np
 
 from experiments.harness import compare, gamma_sweep, loading, records, timing
 from experiments.harness import config as config_lib
-from spec_jax import theory
 from spec_jax.decoding import pad_prompts
 from spec_jax.draft_tree import TreeTemplate
 from spec_jax.drafters import ModelDrafter, TreeDrafter
@@ -55,11 +54,9 @@ def _row(name: str, num_nodes: int, depth: int, run: dict,
   AR time pooled over the temperature's rows."""
   sd = run["sd"]
   depth_acceptance = sd["position_acceptance"]
-  # A cycle drafts one pass per depth.
-  draft_passes = depth * costs.draft_cost_ratio
   measured = timing.speedup_over_ar(run, ar_seconds)
-  predicted = float(theory.speedup_from_depth_acceptance(
-      depth_acceptance, draft_passes, costs.verify_cost_ratio))
+  # A tree's cycle drafts one pass per depth, as a chain's one step per draft.
+  predicted = costs.speedup_from_depth_acceptance(depth_acceptance)
   return {
       "shape": name, "num_nodes": num_nodes, "depth": depth,
       "temperature": run["temperature"],
@@ -73,8 +70,8 @@ def _row(name: str, num_nodes: int, depth: int, run: dict,
       "sd_tokens_per_s": sd["tokens_per_s"],
       "predicted_speedup": predicted,
       "measured_over_predicted": measured["speedup"] / predicted,
-      "flat_verify_speedup": float(theory.speedup_from_depth_acceptance(
-          depth_acceptance, draft_passes, 1.0)),
+      "flat_verify_speedup": costs.speedup_from_depth_acceptance(
+          depth_acceptance, verify_cost_ratio=1.0),
   }
 
 

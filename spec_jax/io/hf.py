@@ -28,12 +28,10 @@ import safetensors.flax
 import tokenizers
 
 from spec_jax import sharding
-from spec_jax.io import families
-from spec_jax.io import files
-from spec_jax.io import pretrained
+from spec_jax.io import families, files, pretrained
 from spec_jax.io.bundle import ModelBundle
-from spec_jax.model import Model, RopeScaling, TransformerConfig
-from spec_jax.model import abstract_params
+from spec_jax.model import (Model, RopeScaling, TransformerConfig,
+                            abstract_params)
 
 _BY_MODEL_TYPE = {family.model_type: family for family in families.FAMILIES}
 # HF layer_types names <-> ours.
@@ -458,5 +456,5 @@ def save_hf(path, model: Model, tokenizer: tokenizers.Tokenizer,
          "bos_token": eos_token}, indent=2))
     tokenizer.save(str(staging / "tokenizer.json"))
     safetensors.flax.save_file(params_to_hf(model.params, model.config),
-                                str(staging / "model.safetensors"),
-                                metadata={"format": "pt"})
+                               str(staging / "model.safetensors"),
+                               metadata={"format": "pt"})
