@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 
 from experiments.harness import config as config_lib
-from experiments.harness import loading, timing
+from experiments.harness import loading, records, timing
 from spec_jax import sharding
 from spec_jax.decoding import (DecodeConfig, DecodeResult, generate,
                                generate_autoregressive, pad_prompts)
@@ -188,13 +188,13 @@ def format_category_table(run: dict) -> str:
 
 
 def format_table(runs: list[dict]) -> str:
-  lines = [f"{'T':>4} {'gamma':>5} {'alpha':>6} {'tau':>5} {'AR tok/s':>9} "
-           f"{'SD tok/s':>9} {'speedup':>7}"]
-  for run in runs:
-    lines.append(
-        f"{run['temperature']:>4g} {run['gamma']:>5d} "
-        f"{run['sd']['acceptance_rate']:>6.3f} "
-        f"{run['sd']['tokens_per_cycle']:>5.2f} "
-        f"{run['ar']['tokens_per_s']:>9.1f} {run['sd']['tokens_per_s']:>9.1f} "
-        f"{run['speedup']:>6.2f}x")
-  return "\n".join(lines)
+  """alpha = E[sum_x min(p, q)]; accept = accepted / proposed drafts."""
+  rows = [{**run, **{f"sd_{k}": v for k, v in run["sd"].items()},
+           "ar_tokens_per_s": run["ar"]["tokens_per_s"]} for run in runs]
+  return records.text_table(rows, [
+      ("T", "{temperature:g}"), ("gamma", "{gamma:d}"),
+      ("alpha", "{sd_mean_overlap:.3f}"),
+      ("accept", "{sd_acceptance_rate:.3f}"),
+      ("tau", "{sd_tokens_per_cycle:.2f}"),
+      ("AR tok/s", "{ar_tokens_per_s:.1f}"),
+      ("SD tok/s", "{sd_tokens_per_s:.1f}"), ("speedup", "{speedup:.2f}x")])
