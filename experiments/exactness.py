@@ -1,10 +1,12 @@
 """Lossless check: are SD's samples distributed as AR's? Writes tokens and a
-report to the workdir.
+report to the workdir, and exits nonzero unless SD passes every test and the
+negative control fails one.
 
   python -m experiments.exactness --config=configs/exactness.py --workdir=DIR
 """
 
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -27,12 +29,12 @@ def main(argv):
   loaded = loading.load_models(config)
   report = exactness.exactness(config, loaded, _WORKDIR.value)
   for setting in report["settings"]:
-    verdict = "same law" if setting["passed"] else "DIFFERENT LAWS"
-    print(f"{setting['tag']}: min p-value {min(setting['p_values']):.4f} over "
-          f"{len(setting['p_values'])} positions -> {verdict}")
+    print(exactness.describe(setting))
   path = os.path.join(_WORKDIR.value, "report.json")
   records.write_results(path, config, report)
   print(f"wrote {path}")
+  if not report["passed"]:
+    sys.exit("exactness check failed: see the lines above.")
 
 
 if __name__ == "__main__":

@@ -25,17 +25,21 @@ from spec_jax.io import checkpoint, pretrained
 TEXTS = ["def main(argv):\n", "import os\nimport sys\n", "class Foo(object):",
          "    return self.", "for i in range(", "# Copyright 2001", "x = [",
          "if __name__ =="]
-# Collectives that move arrays rather than reduce partial sums; in the decode
-# program they may only carry tokens and per-row values (such as each shard's
-# best logit for a greedy argmax), never parameters or caches.
-_MOVES = re.compile(
-    r"= (\w+)\[([\d,]*)\]\S* (all-gather|all-to-all|collective-permute)\(")
+# Every collective, synchronous or async (`*-start`, whose result is a tuple
+# of shapes): in the decode program they may only carry tokens, per-row
+# values (such as each shard's best logit for a greedy argmax) and the
+# activations a model-sharded matmul sums, never parameters or caches.
+_COLLECTIVE = re.compile(
+    r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all"
+    r"|collective-permute)(?:-start)?\(")
+_SHAPE = re.compile(r"\w+\[([\d,]*)\]")
 
 
 def largest_move(hlo: str) -> int:
-  """Elements of the largest array an all-gather or all-to-all produces."""
-  sizes = [int(np.prod([int(d) for d in m.group(2).split(",") if d]))
-           for m in _MOVES.finditer(hlo)]
+  """Elements of the largest array a collective produces or carries."""
+  sizes = [int(np.prod([int(d) for d in shape.split(",") if d]))
+           for m in _COLLECTIVE.finditer(hlo)
+           for shape in _SHAPE.findall(m.group(1))]
   return max(sizes, default=0)
 
 
@@ -113,8 +117,10 @@ def main():
       entry["runs"][t] = {"same_tokens": bool((tokens == reference[t]).all()),
                           "largest_move": largest_move(hlo)}
     report[shape] = entry
+  # Tokens each row emitted on one device (no stop id: max_new_tokens each).
   report["reference_lengths"] = {
-      t: int((tokens >= 0).sum()) for t, tokens in reference.items()}
+      t: (tokens != sj.PAD_ID).sum(1).tolist()
+      for t, tokens in reference.items()}
   print(json.dumps(report))
 
 

@@ -19,7 +19,7 @@ import pytest
 
 import spec_jax as sj
 from spec_jax import rules
-from conftest import pooled_chi_square_p_value
+from conftest import chi_square_p_value
 from test_resample import (PrefixLaws, continue_with_target, enumerate_drafts,
                            max_law_gap, spec_block_law, target_law)
 
@@ -216,7 +216,7 @@ def test_block_sampler_matches_its_exact_law():
                                        < num_accepted[rows_b, None])))
     counts = np.zeros_like(exact[b])
     np.add.at(counts, (num_accepted[rows_b], emitted[rows_b]), 1)
-    p_value = pooled_chi_square_p_value(counts.ravel(), rows * exact[b].ravel())
+    p_value = chi_square_p_value(counts.ravel(), rows * exact[b].ravel())
     assert p_value > 1e-3, (b, p_value)
 
 

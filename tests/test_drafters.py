@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from conftest import tiny_pair
+from conftest import loop_cycles, tiny_pair
+from test_tree_loop import assert_prefix_equal
 
 # Row 0 repeats itself, so prompt lookup finds matches there.
 PROMPTS = [[3, 9, 4, 7, 3, 9, 4, 7, 3, 9], [4, 5, 6, 7, 8], [13], [2, 7, 1, 8]]
@@ -181,3 +182,34 @@ def test_verify_only_what_was_proposed(pair4, buckets):
   assert sum(stats["width_cycles"]) == stats["cycles"]
   if buckets > 1:
     assert stats["width_cycles"][0] > 0  # some cycles were target steps
+
+
+@pytest.mark.parametrize("name", ["model", "dynamic", "layer_skip", "ngram"])
+def test_loop_caches_equal_a_prefill_after_every_cycle(pair4, name):
+  """Through the loop's own step, at T = 1, with rows that accept different
+  numbers of drafts (all of them included): after every cycle the target's
+  cache equals a prefill of each row's sequence at every slot but the last
+  token's, and a draft model's own cache at every slot but the last two (the
+  last draft of a fully accepted cycle is fed in the next one)."""
+  target, draft = pair4
+  drafter = drafters(target, draft)[name]
+  config = sj.DecodeConfig(gamma=3, max_new_tokens=MAX_NEW,
+                           sampling=sj.Sampling(temperature=1.0))
+  advances = set()
+  # Prompt lookup's one-hot drafts are accepted with probability p(d), so it
+  # needs more cycles to accept some.
+  num_cycles = 12 if name == "ngram" else 4
+  for state, advance in loop_cycles(target, drafter, PROMPTS, config,
+                                    num_cycles=num_cycles):
+    advances |= set(advance.tolist())
+    width = state.tokens.shape[1]
+    assert_prefix_equal(state.target_cache,
+                        target.prefill(state.tokens, state.lengths, width),
+                        state.lengths - 1)
+    np.testing.assert_array_equal(state.target_cache.lengths,
+                                  state.lengths - 1)
+    if isinstance(drafter, sj.ModelDrafter):
+      assert_prefix_equal(state.draft_state,
+                          draft.prefill(state.tokens, state.lengths, width),
+                          state.lengths - 2)
+  assert len(advances) > 1, advances  # rows advanced by different amounts

@@ -17,10 +17,9 @@ import pytest
 
 import spec_jax as sj
 from spec_jax import decoding, eagle, eagle_training
-from conftest import loop_cycles, tiny_pair
+from conftest import chi_square_p_value, loop_cycles, tiny_pair
 from test_law_monte_carlo import (  # pylint: disable=unused-import
-    NUM_NEW, SIGNIFICANCE, VOCAB, chi_square_p_value, exact_law, pair8,
-    sampled_counts)
+    NUM_NEW, SIGNIFICANCE, VOCAB, exact_law, pair8, sampled_counts)
 
 PROMPTS = [[3, 9, 4, 7, 3, 9, 4, 7, 3, 9], [4, 5, 6, 7, 8], [13], [2, 7, 1, 8]]
 MAX_NEW = 24

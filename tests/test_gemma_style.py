@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from conftest import _perturb
-from test_law_monte_carlo import (NUM_NEW, PROMPT, SIGNIFICANCE,
-                                  chi_square_p_value, exact_law,
+from conftest import _perturb, chi_square_p_value
+from test_law_monte_carlo import (NUM_NEW, PROMPT, SIGNIFICANCE, exact_law,
                                   sampled_counts)
 
 WINDOW = 3

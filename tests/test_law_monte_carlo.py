@@ -20,11 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 import spec_jax as sj
 from spec_jax import decoding
-from conftest import tiny_pair
+from conftest import chi_square_p_value, tiny_pair
 
 VOCAB = 8
 NUM_NEW = 3
@@ -68,19 +67,6 @@ def sampled_counts(decode, seed, prompt=PROMPT):
   return counts
 
 
-def chi_square_p_value(counts, law):
-  if counts[law == 0].any():
-    return 0.0  # An impossible continuation was drawn.
-  expected = law / law.sum() * counts.sum()
-  small = expected < 5
-  observed, pooled = counts[~small], expected[small].sum()
-  if pooled > 0:
-    observed = np.append(observed, counts[small].sum())
-  expected = np.append(expected[~small], pooled) if pooled > 0 else expected[
-      ~small]
-  return stats.chisquare(observed, expected).pvalue
-
-
 def speculative(target, drafter, gamma, sampling, generate_fn):
   config = decoding.DecodeConfig(gamma=gamma, max_new_tokens=NUM_NEW,
                                  sampling=sampling)
@@ -107,18 +93,35 @@ def test_speculative_samples_follow_target_law(pair8, sampling, gamma):
   assert p_value > SIGNIFICANCE, p_value
 
 
-def test_block_verification_samples_the_target_law(pair8):
+def block_correction_from_p(key, draft_tokens, draft_probs, target_probs, *,
+                            greedy=False):
+  """A wrong block rule: the block rule's number of accepted drafts n, then
+  a token drawn from p_{n+1} instead of norm(R_n)."""
+  tokens, num_accepted = sj.resample_block(key, draft_tokens, draft_probs,
+                                           target_probs, greedy=greedy)
+  p = jnp.take_along_axis(target_probs, num_accepted[:, None, None],
+                          1)[:, 0]  # [B, V]
+  token = jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(p))
+  position = jnp.arange(tokens.shape[1])
+  return (jnp.where(position < num_accepted[:, None], tokens,
+                    token[:, None]).astype(jnp.int32), num_accepted)
+
+
+@pytest.mark.parametrize("rule, exact", [
+    (sj.resample_block, True),
+    # The negative control: the same test must reject it.
+    (block_correction_from_p, False)])
+def test_block_verification_samples_the_target_law(pair8, rule, exact):
   """The block rule through the whole jitted loop, as the token rule above."""
   target, draft = pair8
   sampling = sj.Sampling(temperature=1.0)
   config = decoding.DecodeConfig(
-      gamma=3, max_new_tokens=NUM_NEW, sampling=sampling,
-      resample=sj.resample_block)
+      gamma=3, max_new_tokens=NUM_NEW, sampling=sampling, resample=rule)
   decode = lambda key, prompts, lengths: sj.generate(
       key, target, sj.ModelDrafter(draft), prompts, lengths, config).tokens
   p_value = chi_square_p_value(sampled_counts(decode, seed=11),
                                exact_law(target, sampling))
-  assert p_value > SIGNIFICANCE, p_value
+  assert (p_value > SIGNIFICANCE) == exact, p_value
 
 
 def other_drafters(target, draft):

@@ -146,9 +146,12 @@ def check_report(report, temperatures):
 
 
 def test_mesh_2x4_gives_the_one_device_tokens_and_splits_the_params():
-  report = run_with_8_devices("--meshes=2x4", "--temperatures=0")
+  report = run_with_8_devices("--meshes=2x4", "--temperatures=0",
+                              "--max_new_tokens=12")
   check_report(report, ["0"])
-  assert all(n > 0 for n in report["reference_lengths"].values())
+  # The reference is a whole decode: each of its 8 rows ran to
+  # max_new_tokens.
+  assert report["reference_lengths"] == {"0": [12] * 8}
   entry = report["2x4"]
   assert entry["num_heads"] == 8  # 6 heads padded for the model axis of 4
   share = entry["param_bytes_per_device"]
@@ -236,3 +239,25 @@ def test_two_processes_give_the_single_process_tokens(tmp_path):
                                np.asarray(one.num_tokens)):
     assert sample["ar_tokens"] == tokens[:n].tolist()
     assert sample["sd_tokens"] == tokens[:n].tolist()
+
+
+@pytest.mark.parametrize("line, size", [
+    ("%a = f32[8,128]{1,0} all-gather(f32[2,128]{1,0} %p), dimensions={0}",
+     1024),
+    ("%a = bf16[4,384]{1,0} all-reduce(bf16[4,384]{1,0} %x), to_apply=%add",
+     1536),
+    # Async: the result is a tuple (operand, output); the output counts.
+    ("%a = (f32[2,64]{1,0}, f32[16,64]{1,0}) all-gather-start(f32[2,64]{1,0}"
+     " %q), dimensions={0}", 1024),
+    ("%a = f32[3]{0} reduce-scatter(f32[24]{0} %r), dimensions={0}", 3),
+    ("%a = s32[8,2]{1,0} all-to-all(s32[8,2]{1,0} %t), dimensions={0}", 16),
+    ("%a = f32[5]{0} collective-permute(f32[5]{0} %c), "
+     "source_target_pairs={{0,1}}", 5),
+    # Not a collective, though an operand is named after one.
+    ("%a = f32[999,999]{1,0} fusion(f32[8,128]{1,0} %all-gather.1)", 0),
+])
+def test_largest_move_reads_every_collective(line, size):
+  """The check that no parameter or cache is gathered reads every form of
+  collective XLA prints (its positive control)."""
+  import sharded_decode  # pylint: disable=import-outside-toplevel
+  assert sharded_decode.largest_move(line) == size

@@ -46,9 +46,27 @@ def test_exactness_smoke_run(tiny_models, tmp_path, drafter):
                    f"--config.drafter={drafter}",
                    "--config.layer_skip.num_layers=1")
   report = json.loads((tmp_path / "report.json").read_text())
-  assert len(report["settings"]) == 2
+  assert len(report["settings"]) == 2 and report["passed"]
+  for setting in report["settings"]:
+    assert len(setting["p_values"]) == 3 and 0 <= setting["joint_p_value"] <= 1
   tokens = np.load(tmp_path / "tokens_sd_T1_p0.9.npy")
   assert tokens.shape == (400, 3) and tokens.dtype == np.int32
+
+
+@pytest.mark.slow  # about 60 s: 4000 continuations of the built-in pair
+def test_exactness_exits_nonzero_on_the_negative_control(tmp_path):
+  """The control as the candidate (its correction drawn from p) on the
+  built-in pair: the run finds the laws different, says so in report.json
+  and exits nonzero."""
+  result = run_module(
+      "experiments.exactness", "--config=configs/exactness.py:runlocal",
+      f"--workdir={tmp_path}", "--config.candidate=correction_from_p",
+      "--config.settings=((1, 0.9),)", "--config.num_samples=4000",
+      "--config.batch_size=2000")
+  assert result.returncode != 0
+  assert "DIFFERENT LAWS" in result.stdout
+  report = json.loads((tmp_path / "report.json").read_text())
+  assert report["candidate"] == "correction_from_p" and not report["passed"]
 
 
 def test_two_sample_test_detects_a_different_law():
@@ -58,6 +76,19 @@ def test_two_sample_test_detects_a_different_law():
   other = rng.choice(4, size=(5000, 2), p=[0.3, 0.3, 0.3, 0.1])
   assert min(exactness.two_sample_p_values(a, same)) > 1e-3
   assert max(exactness.two_sample_p_values(a, other)) < 1e-6
+  assert exactness.joint_p_value(a, same) > 1e-3
+  assert exactness.joint_p_value(a, other) < 1e-6
+
+
+def test_joint_test_detects_what_the_marginals_miss():
+  """Rows that repeat one token have the marginals of independent tokens
+  but another joint law: only the joint test tells them apart."""
+  rng = np.random.default_rng(1)
+  law = [0.4, 0.3, 0.2, 0.1]
+  repeated = np.repeat(rng.choice(4, size=(5000, 1), p=law), 3, axis=1)
+  independent = rng.choice(4, size=(5000, 3), p=law)
+  assert min(exactness.two_sample_p_values(repeated, independent)) > 1e-3
+  assert exactness.joint_p_value(repeated, independent) < 1e-6
 
 
 SWEEP_ROW_KEYS = {

@@ -18,11 +18,10 @@ import pytest
 import spec_jax as sj
 from spec_jax import decoding, rules
 # eos_id and pair8 are fixtures, used by name.
-from conftest import loop_cycles
+from conftest import chi_square_p_value, loop_cycles
 from test_decoding import MAX_NEW, PROMPTS, eos_id  # pylint: disable=unused-import
 from test_law_monte_carlo import (  # pylint: disable=unused-import
-    NUM_NEW, SIGNIFICANCE, chi_square_p_value, exact_law, pair8,
-    sampled_counts)
+    NUM_NEW, SIGNIFICANCE, exact_law, pair8, sampled_counts)
 
 
 def tree_decode(target, draft, branching, sampling, **config):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from spec_jax import rules
-from conftest import pooled_chi_square_p_value
+from conftest import chi_square_p_value
 from test_resample import (PrefixLaws, continue_with_target, max_law_gap,
                            target_law)
 
@@ -199,7 +199,7 @@ def _check_against_reference(rows, tokens, num_accepted, path):
       np.testing.assert_array_equal(tree_tokens[nodes], tokens[b, :n])
       assert (tokens[b, n:] == tokens[b, n]).all()
       counts[tuple(tokens[b, :n + 1].tolist())] += 1
-    p_value = pooled_chi_square_p_value(
+    p_value = chi_square_p_value(
         np.array([counts[o] for o in outcomes], np.float64),
         len(members) * np.array([exact[o] for o in outcomes]))
     assert p_value > 1e-3, p_value

@@ -129,7 +129,7 @@ def bench_step(config: ml_collections.ConfigDict) -> dict:
   for name, model_config in config.models.items():
     try:
       models[name] = measure_model(config, model_config, bandwidth)
-    except FileNotFoundError as error:  # a real model that is not installed
+    except loading.NotInstalled as error:  # an optional real model
       _log.info("%s skipped: %s", name, error)
       continue
     row = models[name]

