@@ -28,7 +28,7 @@ def get_config(arg=None):
   # Sampling settings, (temperature, top_p) pairs.
   config.settings = ((1.0, 1.0), (1.0, 0.9))
   # Reject at this significance after a Bonferroni correction over the
-  # max_new_tokens + 1 tests (each position, and the whole continuation).
+  # 2 max_new_tokens - 1 tests (each position, each prefix of 2 or more).
   config.significance = 0.001
   # SD's rule: "exact" (the decode's own) or "correction_from_p", the
   # negative control, which the tests must reject.

@@ -184,7 +184,9 @@ def test_verify_only_what_was_proposed(pair4, buckets):
     assert stats["width_cycles"][0] > 0  # some cycles were target steps
 
 
-@pytest.mark.parametrize("name", ["model", "dynamic", "layer_skip", "ngram"])
+@pytest.mark.parametrize("name", [
+    "model", "layer_skip", pytest.param("dynamic", marks=pytest.mark.slow),
+    pytest.param("ngram", marks=pytest.mark.slow)])
 def test_loop_caches_equal_a_prefill_after_every_cycle(pair4, name):
   """Through the loop's own step, at T = 1, with rows that accept different
   numbers of drafts (all of them included): after every cycle the target's

@@ -110,7 +110,7 @@ def block_correction_from_p(key, draft_tokens, draft_probs, target_probs, *,
 @pytest.mark.parametrize("rule, exact", [
     (sj.resample_block, True),
     # The negative control: the same test must reject it.
-    (block_correction_from_p, False)])
+    pytest.param(block_correction_from_p, False, marks=pytest.mark.slow)])
 def test_block_verification_samples_the_target_law(pair8, rule, exact):
   """The block rule through the whole jitted loop, as the token rule above."""
   target, draft = pair8
