@@ -25,18 +25,18 @@ from spec_jax.io import checkpoint, pretrained
 TEXTS = ["def main(argv):\n", "import os\nimport sys\n", "class Foo(object):",
          "    return self.", "for i in range(", "# Copyright 2001", "x = [",
          "if __name__ =="]
-# Every collective, synchronous or async (`*-start`, whose result is a tuple
-# of shapes): in the decode program they may only carry tokens, per-row
-# values (such as each shard's best logit for a greedy argmax) and the
-# activations a model-sharded matmul sums, never parameters or caches.
+# Collectives that move arrays, synchronous or async (`*-start`, whose result
+# is a tuple of shapes): in the decode program they may only carry tokens and
+# per-row values (such as each shard's best logit for a greedy argmax), never
+# parameters or caches. All-reduces and reduce-scatters are left out: they sum
+# the partial activations of a model-sharded matmul, as they must.
 _COLLECTIVE = re.compile(
-    r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all"
-    r"|collective-permute)(?:-start)?\(")
+    r"= (.*?) (all-gather|all-to-all|collective-permute)(?:-start)?\(")
 _SHAPE = re.compile(r"\w+\[([\d,]*)\]")
 
 
 def largest_move(hlo: str) -> int:
-  """Elements of the largest array a collective produces or carries."""
+  """Elements of the largest array a moving collective produces."""
   sizes = [int(np.prod([int(d) for d in shape.split(",") if d]))
            for m in _COLLECTIVE.finditer(hlo)
            for shape in _SHAPE.findall(m.group(1))]

@@ -244,12 +244,15 @@ def test_two_processes_give_the_single_process_tokens(tmp_path):
 @pytest.mark.parametrize("line, size", [
     ("%a = f32[8,128]{1,0} all-gather(f32[2,128]{1,0} %p), dimensions={0}",
      1024),
+    # Sums of partial activations are not moves.
     ("%a = bf16[4,384]{1,0} all-reduce(bf16[4,384]{1,0} %x), to_apply=%add",
-     1536),
+     0),
     # Async: the result is a tuple (operand, output); the output counts.
     ("%a = (f32[2,64]{1,0}, f32[16,64]{1,0}) all-gather-start(f32[2,64]{1,0}"
      " %q), dimensions={0}", 1024),
-    ("%a = f32[3]{0} reduce-scatter(f32[24]{0} %r), dimensions={0}", 3),
+    ("%a = f32[3]{0} reduce-scatter(f32[24]{0} %r), dimensions={0}", 0),
+    ("%a = (f32[4]{0}, f32[8]{0}) collective-permute-start(f32[4]{0} %c), "
+     "source_target_pairs={{0,1}}", 8),
     ("%a = s32[8,2]{1,0} all-to-all(s32[8,2]{1,0} %t), dimensions={0}", 16),
     ("%a = f32[5]{0} collective-permute(f32[5]{0} %c), "
      "source_target_pairs={{0,1}}", 5),
