@@ -108,6 +108,7 @@ def test_training_loss_is_on_positions_from_loss_from(target):
   assert abs(float(loss(on_reply)) - float(loss(batch))) > 1e-2
 
 
+@pytest.mark.slow  # 22 s; the head fixture's training runs by default
 def test_training_raises_acceptance(target):
   config = eagle.EagleConfig.for_target(target.config)
   _, untrained = train_head(target, config, steps=1)

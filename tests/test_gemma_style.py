@@ -63,6 +63,7 @@ def test_greedy_speculative_equals_greedy_target_across_the_window(gamma):
   assert int(ar.num_tokens.max()) + 10 > 2 * WINDOW  # the edge is crossed
 
 
+@pytest.mark.slow  # 33 s: 100,000 samples; the Gemma-style greedy test is fast
 def test_speculative_samples_follow_target_law_on_gemma_style_model():
   """The Monte Carlo law test of test_law_monte_carlo.py (100,000 samples,
   chi-square at 1e-3) with the window shorter than prompt plus output."""

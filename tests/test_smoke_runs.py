@@ -99,6 +99,7 @@ SWEEP_ROW_KEYS = {
     "predicted_speedup", "accepted_per_position"}
 
 
+@pytest.mark.slow  # 20 s: four timed loops compile
 def test_gamma_sweep_smoke_run_writes_json_csv_and_plots(tiny_models, tmp_path):
   result = run_on_tiny_pair("gamma_sweep", "gamma_sweep", tiny_models,
                             tmp_path, f"--config.corpus={CORPUS}",

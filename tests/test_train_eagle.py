@@ -33,6 +33,7 @@ def tiny_head(tiny_models, tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow  # 17 s: trains, stops and resumes a head
 def test_training_resumes_and_writes_a_learning_curve(tiny_models, tmp_path,
                                                       caplog):
   caplog.set_level(logging.INFO, logger="experiments")
