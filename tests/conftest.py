@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
+from scipy import optimize, stats
 
 import spec_jax as sj
 from configs import train as train_configs
@@ -89,21 +89,45 @@ def pair():
   return tiny_pair()
 
 
-def chi_square_p_value(counts, law):
-  """Pearson's goodness-of-fit p-value of counts [K] against law [K]
-  (probabilities or expected counts: it is scaled to counts.sum()), the
-  cells expected to hold fewer than 5 draws pooled into one. A draw in a cell
-  the law gives probability 0 is an impossible outcome: p = 0."""
+def _pooled(counts, law):
+  """(observed, expected) over the chi-square's cells: law [K] scaled to
+  counts.sum(), the cells expected to hold fewer than 5 draws pooled."""
   counts, law = np.asarray(counts), np.asarray(law, np.float64)
-  if counts[law == 0].any():
-    return 0.0
   expected = law / law.sum() * counts.sum()
   small = expected < 5
   observed, expected_kept = counts[~small], expected[~small]
   if expected[small].sum() > 0:
     observed = np.append(observed, counts[small].sum())
     expected_kept = np.append(expected_kept, expected[small].sum())
-  return stats.chisquare(observed, expected_kept).pvalue
+  return observed, expected_kept
+
+
+def chi_square_p_value(counts, law):
+  """Pearson's goodness-of-fit p-value of counts [K] against law [K]
+  (probabilities or expected counts: it is scaled to counts.sum()), the
+  cells expected to hold fewer than 5 draws pooled into one. A draw in a cell
+  the law gives probability 0 is an impossible outcome: p = 0."""
+  if np.asarray(counts)[np.asarray(law) == 0].any():
+    return 0.0
+  return stats.chisquare(*_pooled(counts, law)).pvalue
+
+
+def detectable_total_variation(counts, law, significance, power=0.9):
+  """The smallest total variation, over the cells `chi_square_p_value`
+  tests, that it rejects at `significance` with probability >= `power`.
+
+  Against a sampling law p' that is TV = d away from the law p over K cells,
+  Pearson's statistic on N draws is noncentral chi-square with K - 1 degrees
+  of freedom and noncentrality N sum (p' - p)^2 / p >= 4 N d^2 (by
+  Cauchy-Schwarz, (sum |p' - p|)^2 <= sum (p' - p)^2 / p). So d is the one
+  that makes 4 N d^2 the noncentrality with the wanted power.
+  """
+  _, expected = _pooled(counts, law)
+  dof = len(expected) - 1
+  critical = stats.chi2.isf(significance, dof)
+  noncentrality = optimize.brentq(
+      lambda nc: stats.ncx2.sf(critical, dof, nc) - power, 1e-9, 1e7)
+  return float(np.sqrt(noncentrality / (4 * expected.sum())))
 
 
 def tiny_train_config(**overrides):

@@ -3,8 +3,9 @@
 The head for the tiny target is trained here for a few hundred steps on the
 target's own greedy continuations, so that cycles accept several drafts (a
 random head would only exercise rejections). Its Monte Carlo law tests are
-those of test_law_monte_carlo.py (100,000 samples of the first 3 tokens,
-chi-square at 1e-3), with the same negative control.
+those of test_law_monte_carlo.py (100,000 samples of the first 6 tokens,
+two cycles of 2 drafts, chi-square at 1e-3), with the same negative
+control.
 """
 
 import functools
@@ -19,7 +20,7 @@ import spec_jax as sj
 from spec_jax import decoding, eagle, eagle_training
 from conftest import chi_square_p_value, loop_cycles, tiny_pair
 from test_law_monte_carlo import (  # pylint: disable=unused-import
-    NUM_NEW, SIGNIFICANCE, VOCAB, exact_law, pair8, sampled_counts)
+    correction_from_p, follows_law, law_check, pair8, speculative)
 
 PROMPTS = [[3, 9, 4, 7, 3, 9, 4, 7, 3, 9], [4, 5, 6, 7, 8], [13], [2, 7, 1, 8]]
 MAX_NEW = 24
@@ -219,33 +220,26 @@ def head8(pair8):
   return train_head(target, config, steps=100)[0]
 
 
+@pytest.mark.slow  # about a minute each (100,000 samples of 6 tokens)
 @pytest.mark.parametrize("sampling,gamma", [
-    (sj.Sampling(temperature=1.0), 3),
-    pytest.param(sj.Sampling(temperature=0.8, top_p=0.8), 2,
-                 marks=pytest.mark.slow),
+    (sj.Sampling(temperature=1.0), 2),
+    (sj.Sampling(temperature=0.8, top_p=0.8), 1),
 ])
 def test_head_samples_the_target_law(pair8, head8, sampling, gamma):
   target = pair8[0]
-  config = decoding.DecodeConfig(gamma=gamma, max_new_tokens=NUM_NEW,
-                                 sampling=sampling)
-  decode = lambda key, prompts, lengths: sj.generate(
-      key, target, head8, prompts, lengths, config).tokens
-  p_value = chi_square_p_value(sampled_counts(decode, seed=21),
-                               exact_law(target, sampling))
-  assert p_value > SIGNIFICANCE, p_value
+  decode = speculative(target, head8, gamma, sampling)
+  p_values, _ = law_check(decode, target, sampling, seed=21)
+  assert follows_law(p_values), p_values
 
 
+@pytest.mark.slow
 def test_negative_control_with_head_is_rejected(pair8, head8):
   target = pair8[0]
   sampling = sj.Sampling(temperature=1.0)
-  wrong = functools.partial(sj.resample, correction=lambda q, p: p)
-  config = decoding.DecodeConfig(gamma=2, max_new_tokens=NUM_NEW,
-                                 sampling=sampling, resample=wrong)
-  decode = lambda key, prompts, lengths: sj.generate(
-      key, target, head8, prompts, lengths, config).tokens
-  p_value = chi_square_p_value(sampled_counts(decode, seed=22),
-                               exact_law(target, sampling))
-  assert p_value < SIGNIFICANCE, p_value
+  decode = speculative(target, head8, 2, sampling,
+                       resample=correction_from_p())
+  p_values, _ = law_check(decode, target, sampling, seed=22)
+  assert not follows_law(p_values), p_values
 
 
 def test_save_and_load_round_trip(tmp_path, target, reduced_head):

@@ -11,8 +11,8 @@ import pytest
 
 import spec_jax as sj
 from conftest import _perturb, chi_square_p_value
-from test_law_monte_carlo import (NUM_NEW, PROMPT, SIGNIFICANCE, exact_law,
-                                  sampled_counts)
+from test_law_monte_carlo import (NUM_NEW, PROMPT, correction_from_p,
+                                  follows_law, law_check, speculative)
 
 WINDOW = 3
 
@@ -63,30 +63,24 @@ def test_greedy_speculative_equals_greedy_target_across_the_window(gamma):
   assert int(ar.num_tokens.max()) + 10 > 2 * WINDOW  # the edge is crossed
 
 
-@pytest.mark.slow  # 33 s: 100,000 samples; the Gemma-style greedy test is fast
+@pytest.mark.slow  # 100,000 samples; the Gemma-style greedy test is fast
 def test_speculative_samples_follow_target_law_on_gemma_style_model():
-  """The Monte Carlo law test of test_law_monte_carlo.py (100,000 samples,
-  chi-square at 1e-3) with the window shorter than prompt plus output."""
+  """The Monte Carlo law test of test_law_monte_carlo.py (100,000 samples of
+  6 tokens, chi-square at 1e-3) with the window shorter than prompt plus
+  output."""
   target, draft = gemma_pair(8, seed=1, draft_noise=0.6)
   sampling = sj.Sampling(temperature=1.0)
-  config = sj.DecodeConfig(gamma=2, max_new_tokens=NUM_NEW, sampling=sampling)
-  decode = lambda key, prompts, lengths: sj.generate(
-      key, target, sj.ModelDrafter(draft), prompts, lengths, config).tokens
   assert len(PROMPT) + NUM_NEW > WINDOW
-  p_value = chi_square_p_value(sampled_counts(decode, seed=5),
-                               exact_law(target, sampling))
-  assert p_value > SIGNIFICANCE, p_value
+  decode = speculative(target, sj.ModelDrafter(draft), 2, sampling)
+  p_values, _ = law_check(decode, target, sampling, seed=5)
+  assert follows_law(p_values), p_values
 
 
 @pytest.mark.slow  # the token rule's negative control runs by default
 def test_negative_control_is_rejected_on_gemma_style_model():
   target, draft = gemma_pair(8, seed=1, draft_noise=0.6)
   sampling = sj.Sampling(temperature=1.0)
-  config = sj.DecodeConfig(
-      gamma=2, max_new_tokens=NUM_NEW, sampling=sampling,
-      resample=functools.partial(sj.resample, correction=lambda q, p: p))
-  decode = lambda key, prompts, lengths: sj.generate(
-      key, target, sj.ModelDrafter(draft), prompts, lengths, config).tokens
-  p_value = chi_square_p_value(sampled_counts(decode, seed=6),
-                               exact_law(target, sampling))
-  assert p_value < SIGNIFICANCE, p_value
+  decode = speculative(target, sj.ModelDrafter(draft), 2, sampling,
+                       resample=correction_from_p())
+  p_values, _ = law_check(decode, target, sampling, seed=6)
+  assert not follows_law(p_values), p_values

@@ -1,16 +1,28 @@
 """Monte Carlo: the whole jitted, batched loop samples the target's law.
 
-For one prompt, the joint law of the first 3 generated tokens is computed
-exactly from the target (all 8^3 continuations scored). Speculative decoding
-then draws N = 100,000 samples through `generate`, and a chi-square
-goodness-of-fit test compares the counts with the exact law (cells with an
-expected count below 5 are pooled). The test fails when p < 1e-3, so a
-correct sampler fails with probability 0.001 per seed; the seeds are fixed,
-so the outcome is deterministic. The negative control runs the same test on a
-loop whose correction is drawn from p instead of norm(max(0, p - q)) and
-requires p < 1e-3 there, for a draft model and for prompt lookup (one-hot q).
-Every drafter passes the same test: prompt lookup on a prompt that repeats
-itself (so it has matches to propose), layer skip and dynamic gamma.
+The horizon is NUM_NEW = 2 gamma + 2 = 6 tokens at gamma 2: a cycle that
+accepts both drafts emits 3 tokens and is followed by at least one more
+cycle, whose draft is fed the last two of them; tests with other gammas
+keep gamma <= 2 so that two full cycles fit. For each prompt the joint law
+of the 6 generated tokens is computed exactly from the target (all 8^6
+continuations scored). Speculative decoding draws NUM_SAMPLES = 100,000
+samples through `generate`, the prompts' rows side by side in one batch, and a
+chi-square goodness-of-fit test per prompt compares the counts with the
+exact law (cells expected below 5 pooled). With P prompts a test passes when
+every p-value is above SIGNIFICANCE / P (1e-3 in all); a correct sampler
+fails with probability at most 0.001, and the seeds are fixed, so the
+outcome is deterministic.
+
+Each test also asserts that its sample is large enough: the smallest total
+variation between the sampled and the exact law (over the tested cells) that
+it detects with probability 0.9 is at most MAX_DETECTABLE_TV
+(`conftest.detectable_total_variation`: 0.029-0.031 at 100,000 samples per
+prompt, at significance 1e-3, or 1e-3 / 2 for each of two prompts).
+
+Negative controls run the same test on a loop whose correction is drawn from
+p instead of norm(max(0, p - q)), and must fail it: for a draft model (two
+prompt lengths), for prompt lookup (one-hot q) and, in the files that use
+this one, for trees, the block rule, EAGLE heads and a Gemma-style model.
 """
 
 import functools
@@ -23,15 +35,18 @@ import pytest
 
 import spec_jax as sj
 from spec_jax import decoding
-from conftest import chi_square_p_value, tiny_pair
+from conftest import chi_square_p_value, detectable_total_variation, tiny_pair
 
 VOCAB = 8
-NUM_NEW = 3
+GAMMA = 2
+NUM_NEW = 2 * GAMMA + 2
 NUM_SAMPLES = 100_000
 CHUNK = 25_000
 SIGNIFICANCE = 1e-3
+MAX_DETECTABLE_TV = 0.05
 PROMPT = [1, 5, 2, 6]
-# "1 5" recurs, so prompt lookup proposes "2 6 1" at the first cycle.
+SHORT_PROMPT = [3, 7]
+# "1 5" recurs, so prompt lookup proposes "2 6 ..." at the first cycle.
 REPEATING_PROMPT = [1, 5, 2, 6, 1, 5]
 
 
@@ -42,41 +57,95 @@ def pair8():
   return tiny_pair(vocab_size=VOCAB, seed=1, draft_noise=0.6)
 
 
+_EXACT_LAWS = {}
+
+
 def exact_law(target, sampling, prompt=PROMPT):
-  """[V^3] probability of each continuation, in lexicographic order."""
-  continuations = np.array(list(itertools.product(range(VOCAB),
-                                                  repeat=NUM_NEW)))
-  prompts = np.broadcast_to(prompt, (len(continuations), len(prompt)))
-  sequences = jnp.asarray(np.concatenate([prompts, continuations], 1))
-  start = len(prompt) - 1
-  probs = sampling.probs(
-      sj.score(target, sequences)[:, start:start + NUM_NEW])  # [V^3, 3, V]
-  chosen = jnp.take_along_axis(probs, continuations[..., None], -1)[..., 0]
-  return np.asarray(chosen, np.float64).prod(-1)
+  """[V^NUM_NEW] probability of each continuation, in lexicographic order.
+
+  Level by level: p(. | prompt + prefix) for every prefix of k tokens, then
+  the product along each continuation; kept per (target, sampling, prompt).
+  """
+  key = (id(target), sampling, tuple(prompt))
+  if key not in _EXACT_LAWS:
+    law = np.ones(1)
+    for k in range(NUM_NEW):
+      prefixes = np.array(list(itertools.product(range(VOCAB), repeat=k)),
+                          np.int32).reshape(VOCAB**k, k)
+      sequences = np.concatenate(
+          [np.broadcast_to(prompt, (len(prefixes), len(prompt))), prefixes], 1)
+      probs = sampling.probs(sj.score(target, jnp.asarray(sequences))[:, -1])
+      law = (law[:, None] * np.asarray(probs, np.float64)).reshape(-1)
+    _EXACT_LAWS[key] = (target, law)  # target kept so that id stays unique
+  return _EXACT_LAWS[key][1]
 
 
-def sampled_counts(decode, seed, prompt=PROMPT):
-  """Counts [V^3] of the first 3 tokens over NUM_SAMPLES rows."""
-  prompts, lengths = sj.pad_prompts([prompt] * CHUNK)
-  counts = np.zeros(VOCAB**NUM_NEW, np.int64)
-  for chunk in range(NUM_SAMPLES // CHUNK):
-    tokens = np.asarray(decode(jax.random.key(seed * 1000 + chunk), prompts,
-                               lengths))
-    index = (tokens[:, 0] * VOCAB + tokens[:, 1]) * VOCAB + tokens[:, 2]
-    counts += np.bincount(index, minlength=VOCAB**NUM_NEW)
-  return counts
+@functools.partial(jax.jit, static_argnames="num_cells")
+def _cell_counts(tokens, num_cells):
+  """Counts [V^NUM_NEW] of the rows of tokens [R, NUM_NEW]."""
+  index = jnp.zeros(tokens.shape[0], jnp.int32)
+  for i in range(NUM_NEW):
+    index = index * VOCAB + tokens[:, i]
+  return jnp.bincount(index, length=num_cells)
 
 
-def speculative(target, drafter, gamma, sampling, generate_fn):
+def sampled_counts(decode, seed, prompts=(PROMPT,)):
+  """Counts [P, V^NUM_NEW] of the generated tokens over NUM_SAMPLES rows per
+  prompt, and the rows' DecodeStats. One batch holds every prompt, its rows
+  in turn, so rows of different prompt lengths decode side by side."""
+  per_chunk = CHUNK // len(prompts)
+  padded, lengths = sj.pad_prompts(
+      [prompt for _ in range(per_chunk) for prompt in prompts])
+  counts = np.zeros((len(prompts), VOCAB**NUM_NEW), np.int64)
+  stats = []
+  for chunk in range(NUM_SAMPLES // per_chunk):
+    result = decode(jax.random.key(seed * 1000 + chunk), padded, lengths)
+    assert (np.asarray(result.num_tokens) == NUM_NEW).all()
+    for i in range(len(prompts)):
+      counts[i] += np.asarray(_cell_counts(result.tokens[i::len(prompts)],
+                                           VOCAB**NUM_NEW))
+    stats.append(result.stats)
+  return counts, stats
+
+
+def law_check(decode, target, sampling, seed, prompts=(PROMPT,)):
+  """p-values [P], one per prompt, and the rows' DecodeStats. Also asserts
+  that the sample detects a total variation of MAX_DETECTABLE_TV."""
+  counts, stats = sampled_counts(decode, seed, prompts)
+  p_values = []
+  for prompt, prompt_counts in zip(prompts, counts):
+    law = exact_law(target, sampling, prompt)
+    detectable = detectable_total_variation(prompt_counts, law,
+                                            SIGNIFICANCE / len(prompts))
+    assert detectable <= MAX_DETECTABLE_TV, detectable
+    p_values.append(chi_square_p_value(prompt_counts, law))
+    print(f"prompt {prompt}: {prompt_counts.sum()} samples, detects TV "
+          f"{detectable:.3f}, p = {p_values[-1]:.3g}")
+  return p_values, stats
+
+
+def follows_law(p_values):
+  return min(p_values) > SIGNIFICANCE / len(p_values)
+
+
+def speculative(target, drafter, gamma, sampling, **config):
   config = decoding.DecodeConfig(gamma=gamma, max_new_tokens=NUM_NEW,
-                                 sampling=sampling)
-  return lambda key, prompts, lengths: generate_fn(
-      key, target, drafter, prompts, lengths, config).tokens
+                                 sampling=sampling, **config)
+  return lambda key, prompts, lengths: sj.generate(
+      key, target, drafter, prompts, lengths, config)
 
 
-CASES = [
-    (sj.Sampling(temperature=1.0), 2),
-    pytest.param(sj.Sampling(temperature=1.0, top_k=3), 3,
+def full_acceptance_then_more(stats, gamma):
+  """Fraction of rows with a cycle that accepted all gamma drafts and at
+  least one cycle after it (a full cycle emits gamma + 1 < NUM_NEW)."""
+  full = np.concatenate([np.asarray(s.accepted_per_position[:, gamma - 1])
+                         for s in stats])
+  return float(np.mean(full > 0))
+
+
+CASES = [  # about a minute each
+    (sj.Sampling(temperature=1.0), GAMMA),
+    pytest.param(sj.Sampling(temperature=1.0, top_k=3), GAMMA,
                  marks=pytest.mark.slow),
     pytest.param(sj.Sampling(temperature=0.8, top_p=0.8), 1,
                  marks=pytest.mark.slow),
@@ -85,12 +154,14 @@ CASES = [
 
 @pytest.mark.parametrize("sampling,gamma", CASES)
 def test_speculative_samples_follow_target_law(pair8, sampling, gamma):
+  """Rows of two prompt lengths side by side; a third of the rows accept
+  every draft in a cycle before the last."""
   target, draft = pair8
-  law = exact_law(target, sampling)
-  decode = speculative(target, sj.ModelDrafter(draft), gamma, sampling,
-                       sj.generate)
-  p_value = chi_square_p_value(sampled_counts(decode, seed=gamma), law)
-  assert p_value > SIGNIFICANCE, p_value
+  decode = speculative(target, sj.ModelDrafter(draft), gamma, sampling)
+  p_values, stats = law_check(decode, target, sampling, seed=gamma,
+                              prompts=(PROMPT, SHORT_PROMPT))
+  assert follows_law(p_values), p_values
+  assert full_acceptance_then_more(stats, gamma) > 0.1
 
 
 def block_correction_from_p(key, draft_tokens, draft_probs, target_probs, *,
@@ -107,21 +178,19 @@ def block_correction_from_p(key, draft_tokens, draft_probs, target_probs, *,
                     token[:, None]).astype(jnp.int32), num_accepted)
 
 
+@pytest.mark.slow  # about a minute each, as every test here
 @pytest.mark.parametrize("rule, exact", [
     (sj.resample_block, True),
     # The negative control: the same test must reject it.
-    pytest.param(block_correction_from_p, False, marks=pytest.mark.slow)])
+    (block_correction_from_p, False)])
 def test_block_verification_samples_the_target_law(pair8, rule, exact):
   """The block rule through the whole jitted loop, as the token rule above."""
   target, draft = pair8
   sampling = sj.Sampling(temperature=1.0)
-  config = decoding.DecodeConfig(
-      gamma=3, max_new_tokens=NUM_NEW, sampling=sampling, resample=rule)
-  decode = lambda key, prompts, lengths: sj.generate(
-      key, target, sj.ModelDrafter(draft), prompts, lengths, config).tokens
-  p_value = chi_square_p_value(sampled_counts(decode, seed=11),
-                               exact_law(target, sampling))
-  assert (p_value > SIGNIFICANCE) == exact, p_value
+  decode = speculative(target, sj.ModelDrafter(draft), GAMMA, sampling,
+                       resample=rule)
+  p_values, _ = law_check(decode, target, sampling, seed=11)
+  assert follows_law(p_values) == exact, p_values
 
 
 def other_drafters(target, draft):
@@ -132,48 +201,47 @@ def other_drafters(target, draft):
   }
 
 
-@pytest.mark.parametrize("name", [
-    "ngram",
-    pytest.param("layer_skip", marks=pytest.mark.slow),
-    pytest.param("dynamic_gamma", marks=pytest.mark.slow),
-])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ngram", "layer_skip", "dynamic_gamma"])
 def test_every_drafter_samples_the_target_law(pair8, name):
   target, draft = pair8
   sampling = sj.Sampling(temperature=1.0)
-  drafter = other_drafters(target, draft)[name]
-  decode = speculative(target, drafter, 3, sampling, sj.generate)
-  counts = sampled_counts(decode, seed=7, prompt=REPEATING_PROMPT)
-  p_value = chi_square_p_value(counts,
-                               exact_law(target, sampling, REPEATING_PROMPT))
-  assert p_value > SIGNIFICANCE, p_value
+  decode = speculative(target, other_drafters(target, draft)[name], GAMMA,
+                       sampling)
+  p_values, _ = law_check(decode, target, sampling, seed=7,
+                          prompts=(REPEATING_PROMPT,))
+  assert follows_law(p_values), p_values
 
 
+@pytest.mark.slow
 def test_autoregressive_samples_follow_target_law(pair8):
   """The harness itself: the plain sampler passes the same test."""
   target, _ = pair8
   sampling = sj.Sampling(temperature=1.0)
   config = decoding.DecodeConfig(max_new_tokens=NUM_NEW, sampling=sampling)
   decode = lambda key, prompts, lengths: sj.generate_autoregressive(
-      key, target, prompts, lengths, config).tokens
-  p_value = chi_square_p_value(sampled_counts(decode, seed=0),
-                               exact_law(target, sampling))
-  assert p_value > SIGNIFICANCE, p_value
+      key, target, prompts, lengths, config)
+  p_values, _ = law_check(decode, target, sampling, seed=0,
+                          prompts=(PROMPT, SHORT_PROMPT))
+  assert follows_law(p_values), p_values
 
 
-@pytest.mark.parametrize("name", ["model", "ngram"])
+def correction_from_p():
+  """The token rule with its correction drawn from p: a wrong rule."""
+  return functools.partial(sj.resample, correction=lambda q, p: p)
+
+
+@pytest.mark.parametrize("name", [
+    "model", pytest.param("ngram", marks=pytest.mark.slow)])
 def test_negative_control_wrong_correction_is_rejected(pair8, name):
   target, draft = pair8
   drafter = (sj.ModelDrafter(draft) if name == "model"
              else other_drafters(target, draft)[name])
-  prompt = PROMPT if name == "model" else REPEATING_PROMPT
+  prompts = (PROMPT, SHORT_PROMPT) if name == "model" else (REPEATING_PROMPT,)
   sampling = sj.Sampling(temperature=1.0)
   # Draw the correction from p instead of the residual, through the real
   # loop: the rejection rule is a public setting of the decode.
-  wrong = functools.partial(sj.resample, correction=lambda q, p: p)
-  config = decoding.DecodeConfig(gamma=2, max_new_tokens=NUM_NEW,
-                                 sampling=sampling, resample=wrong)
-  decode = lambda key, prompts, lengths: sj.generate(
-      key, target, drafter, prompts, lengths, config).tokens
-  p_value = chi_square_p_value(sampled_counts(decode, seed=2, prompt=prompt),
-                               exact_law(target, sampling, prompt))
-  assert p_value < SIGNIFICANCE, p_value
+  decode = speculative(target, drafter, GAMMA, sampling,
+                       resample=correction_from_p())
+  p_values, _ = law_check(decode, target, sampling, seed=2, prompts=prompts)
+  assert not follows_law(p_values), p_values

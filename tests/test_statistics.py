@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from conftest import REPO, chi_square_p_value
+from conftest import REPO, chi_square_p_value, detectable_total_variation
 
 
 def test_chi_square_accepts_draws_from_the_law():
@@ -63,3 +63,25 @@ def test_a_skip_fails_the_run_when_optional_packages_are_required(tmp_path):
   required = run("1")
   assert required.returncode == 1, required.stdout[-2000:]
   assert "a_package_that_is_not_installed" in required.stdout
+
+
+def test_detectable_total_variation_is_detected():
+  """Any law d away is rejected with probability >= 0.9; here one with mass
+  d moved between two cells is, in 200 repeats of 20,000 draws, and one d/2
+  away is rejected far less often: the bound has the right size."""
+  law = np.array([0.4, 0.3, 0.2, 0.1])
+  counts = 20_000 * law
+  d = detectable_total_variation(counts, law, 1e-3, power=0.9)
+  assert 0.005 < d < 0.05
+  wrong = law + d * np.array([1, -1, 0, 0])
+  rng = np.random.default_rng(2)
+  rejected = [chi_square_p_value(np.bincount(rng.choice(4, 20_000, p=wrong),
+                                             minlength=4), law) < 1e-3
+              for _ in range(200)]
+  assert np.mean(rejected) >= 0.9
+  # Half the distance is detected far less often.
+  wrong = law + d / 2 * np.array([1, -1, 0, 0])
+  rejected = [chi_square_p_value(np.bincount(rng.choice(4, 20_000, p=wrong),
+                                             minlength=4), law) < 1e-3
+              for _ in range(200)]
+  assert np.mean(rejected) < 0.5

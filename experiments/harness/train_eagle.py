@@ -106,19 +106,21 @@ def _evaluate(params, config, head_config, target, cache, rows, vocab_ids):
 
 
 class _Curve:
-  """The learning curve: one record per evaluation, in a JSON file that a
-  resumed run truncates to its checkpoint."""
+  """The learning curve: one record per evaluation, in a results file (with
+  the code version and config) that a resumed run truncates to its
+  checkpoint."""
 
-  def __init__(self, path: pathlib.Path, start: int):
-    self.path = path
+  def __init__(self, path: pathlib.Path, config, start: int):
+    self.path, self.config = path, config
     self.records = []
     if path.exists():
-      self.records = [r for r in json.loads(path.read_text())
+      self.records = [r for r in json.loads(path.read_text())["evaluations"]
                       if r["step"] <= start]
 
   def add(self, record: dict) -> None:
     self.records.append(record)
-    records.write_json(self.path, self.records)
+    records.write_results(str(self.path), self.config,
+                          {"evaluations": self.records})
 
 
 def _head_config(config, target) -> eagle.EagleConfig:
@@ -215,7 +217,7 @@ def _train_steps(config, data: _Data, params, workdir: pathlib.Path):
   state = {"params": params, "opt_state": optimizer.init(params),
            "seconds": np.zeros((), np.float64)}
   manager, start, state = resume(workdir, config.checkpoint_every, state)
-  curve = _Curve(workdir / "learning_curve.json", start)
+  curve = _Curve(workdir / "learning_curve.json", config, start)
   progress = _Progress(config, start, float(state["seconds"]))
   for step in range(start, config.num_steps):
     # Batches depend only on (seed, step), so a resumed run sees the same data.
@@ -250,7 +252,8 @@ def train(config: ml_collections.ConfigDict, workdir) -> eagle.EagleDrafter:
   state, curve = _train_steps(config, data, params, workdir)
   drafter = eagle.EagleDrafter(data.target, state["params"], data.head_config,
                                data.vocab_ids)
-  metadata = {"target": config.target, "data": config.data,
+  metadata = {"code_version": records.code_version(),
+              "target": config.target, "data": config.data,
               "sequences": len(data.train_rows),
               "tokens_seen": config.num_steps * _tokens_per_step(config),
               "train_hours": float(state["seconds"]) / 3600,

@@ -10,6 +10,12 @@ exactly the target's:
   resample_tree   tree.py   recursive rejection sampling over a draft tree.
 `DecodeConfig(resample=...)` chooses a chain's rule; any function with
 `resample`'s contract fits there.
+
+Each module's `outcome(uniform, ...)` is its rule with the acceptance draws
+as an input: it returns how many drafts are kept (and, for a tree, which
+path) and the law of the token emitted next. The rule draws the uniforms
+from its key and one token from that law; the enumeration tests run
+`outcome` on every cell of the uniforms to compute the rule's exact law.
 """
 
 from spec_jax.rules.block import resample_block

@@ -97,6 +97,34 @@ def emission_probs(draft_tokens: jax.Array, draft_probs: jax.Array,
   return sampling.normalized(residual, target_probs)
 
 
+def outcome(uniform: jax.Array, draft_tokens: jax.Array,
+            draft_probs: jax.Array, target_probs: jax.Array
+            ) -> tuple[jax.Array, jax.Array]:
+  """Where the rule stops for given draws eta, and what it emits there.
+
+  `resample_block` is this function with eta drawn from its key, followed by
+  one draw from next_probs; the enumeration tests drive it with controlled
+  uniforms to compute the rule's exact law.
+
+  Args:
+    uniform: [B, G] float32 in [0, 1), eta_1..eta_G.
+    draft_tokens, draft_probs, target_probs: as `resample_block`.
+
+  Returns:
+    num_accepted [B] int32 in [0, G], n = max{i : eta_i < h_i} (0 if none),
+    and next_probs [B, V], norm(R_n).
+  """
+  gamma = draft_tokens.shape[-1]
+  h = stop_probs(draft_tokens, draft_probs, target_probs)  # [B, G+1]
+  position = jnp.arange(1, gamma + 1)
+  num_accepted = jnp.max(jnp.where(uniform < h[:, 1:], position, 0), axis=-1)
+  num_accepted = num_accepted.astype(jnp.int32)  # [B]
+  next_probs = jnp.take_along_axis(
+      emission_probs(draft_tokens, draft_probs, target_probs),
+      num_accepted[:, None, None], axis=1)[:, 0]  # [B, V]
+  return num_accepted, next_probs
+
+
 def resample_block(
     key: jax.Array,
     draft_tokens: jax.Array,
@@ -124,19 +152,10 @@ def resample_block(
   if greedy:
     return token.resample(key, draft_tokens, draft_probs, target_probs,
                           greedy=True)
-  gamma = draft_tokens.shape[-1]
   stop_key, key = jax.random.split(key)
-  h = stop_probs(draft_tokens, draft_probs, target_probs)  # [B, G+1]
   uniform = jax.random.uniform(stop_key, draft_tokens.shape)  # [B, G]
-  position = jnp.arange(1, gamma + 1)
-  num_accepted = jnp.max(jnp.where(uniform < h[:, 1:], position, 0), axis=-1)
-  num_accepted = num_accepted.astype(jnp.int32)  # [B]
-
-  next_probs = jnp.take_along_axis(
-      emission_probs(draft_tokens, draft_probs, target_probs),
-      num_accepted[:, None, None], axis=1)  # [B, 1, V]
-  next_token = sampling.categorical(key, next_probs)  # [B, 1]
-  drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)))
-  tokens = jnp.where(jnp.arange(gamma + 1) < num_accepted[:, None], drafts,
-                     next_token)
-  return tokens.astype(jnp.int32), num_accepted
+  num_accepted, next_probs = outcome(uniform, draft_tokens, draft_probs,
+                                     target_probs)
+  next_token = sampling.categorical(key, next_probs)  # [B]
+  return (token.emitted_tokens(draft_tokens, num_accepted, next_token),
+          num_accepted)

@@ -58,6 +58,52 @@ def correction_probs(
   return sampling.normalized(jnp.maximum(target_probs - q, 0.0), target_probs)
 
 
+def _prefix_length(accepted: jax.Array) -> jax.Array:
+  """[B] int32: how many of accepted [B, G] hold before the first False."""
+  return jnp.sum(jnp.cumprod(accepted, axis=-1), axis=-1, dtype=jnp.int32)
+
+
+def outcome(
+    uniform: jax.Array,
+    draft_tokens: jax.Array,
+    draft_probs: jax.Array,
+    target_probs: jax.Array,
+    *,
+    correction: Callable[[jax.Array, jax.Array], jax.Array] = correction_probs,
+) -> tuple[jax.Array, jax.Array]:
+  """Where the rule stops for given acceptance draws, and what it emits there.
+
+  Draft i is accepted when uniform[:, i] < min(1, p_i(d_i) / q_i(d_i)).
+  `resample` is this function with uniforms drawn from its key, followed by
+  one draw from next_probs; the enumeration tests drive it with controlled
+  uniforms to compute the rule's exact law.
+
+  Args:
+    uniform: [B, G] float32 in [0, 1), one per draft.
+    draft_tokens, draft_probs, target_probs, correction: as `resample`.
+
+  Returns:
+    num_accepted [B] int32 in [0, G], the length of the accepted prefix, and
+    next_probs [B, V], the law of the token emitted after it.
+  """
+  accepted = uniform < acceptance_probs(draft_tokens, draft_probs,
+                                        target_probs)
+  num_accepted = _prefix_length(accepted)
+  next_probs = jnp.take_along_axis(
+      correction(draft_probs, target_probs),
+      num_accepted[:, None, None], axis=1)[:, 0]
+  return num_accepted, next_probs
+
+
+def emitted_tokens(draft_tokens: jax.Array, num_accepted: jax.Array,
+                   next_token: jax.Array) -> jax.Array:
+  """[B, G+1] int32: draft_tokens[b, :n], then next_token[b] repeated."""
+  drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)))
+  position = jnp.arange(drafts.shape[1])
+  return jnp.where(position < num_accepted[:, None], drafts,
+                   next_token[:, None]).astype(jnp.int32)
+
+
 def resample(
     key: jax.Array,
     draft_tokens: jax.Array,
@@ -86,30 +132,21 @@ def resample(
     is the correction (n < G) or the bonus (n == G). Entries after n repeat
     tokens[b, n].
   """
-  gamma = draft_tokens.shape[-1]
-  target_argmax = sampling.argmax(target_probs)  # [B, G+1]
   if greedy:
+    gamma = draft_tokens.shape[-1]
+    target_argmax = sampling.argmax(target_probs)  # [B, G+1]
     proposed = draft_token_probs(draft_tokens, draft_probs) > 0
     accepted = (draft_tokens == target_argmax[:, :gamma]) & proposed
+    num_accepted = _prefix_length(accepted)
+    next_token = jnp.take_along_axis(target_argmax, num_accepted[:, None],
+                                     1)[:, 0]
   else:
     accept_key, key = jax.random.split(key)
     uniform = jax.random.uniform(accept_key, draft_tokens.shape)  # [0, 1)
-    accepted = uniform < acceptance_probs(draft_tokens, draft_probs,
-                                          target_probs)
-  num_accepted = jnp.sum(jnp.cumprod(accepted, axis=-1), axis=-1,
-                         dtype=jnp.int32)
-
-  if greedy:
-    next_token = jnp.take_along_axis(target_argmax, num_accepted[:, None], 1)
-  else:
-    next_probs = jnp.take_along_axis(
-        correction(draft_probs, target_probs),
-        num_accepted[:, None, None], axis=1)  # [B, 1, V]
+    num_accepted, next_probs = outcome(uniform, draft_tokens, draft_probs,
+                                       target_probs, correction=correction)
     next_token = sampling.categorical(key, next_probs)
-  position = jnp.arange(gamma + 1)
-  drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)))
-  tokens = jnp.where(position < num_accepted[:, None], drafts, next_token)
-  return tokens.astype(jnp.int32), num_accepted
+  return emitted_tokens(draft_tokens, num_accepted, next_token), num_accepted
 
 
 def overlap(draft_probs: jax.Array, target_probs: jax.Array) -> jax.Array:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import sampling
+from spec_jax.rules import token
 
 UNUSED = -2  # parents[b, i] of a node that row b does not use.
 
@@ -65,12 +66,12 @@ def _residual(r: jax.Array, s: jax.Array) -> jax.Array:
   return sampling.normalized(jnp.maximum(r - s, 0.0), r)
 
 
-def _resample_row(key, tree_tokens, parents, draft_probs, target_probs, depth,
-                  greedy, residual, without):
-  """One row: tree_tokens, parents [N]; draft/target_probs [N+1, V]."""
-  num_nodes = tree_tokens.shape[0]
-  accept_key, emit_key = jax.random.split(key)
-  uniform = jax.random.uniform(accept_key, (num_nodes,))  # [N]
+def _walk_row(uniform, tree_tokens, parents, draft_probs, target_probs, depth,
+              greedy, residual, without):
+  """One row: uniform, tree_tokens, parents [N]; draft/target_probs [N+1, V].
+
+  Returns num_accepted [], path [D] and r [V], the law emitted from.
+  """
 
   def step(carry, node):
     context, r, s, num_accepted, path = carry
@@ -100,20 +101,50 @@ def _resample_row(key, tree_tokens, parents, draft_probs, target_probs, depth,
 
   init = (jnp.int32(0), target_probs[0], draft_probs[0], jnp.int32(0),
           jnp.full((depth,), -1, jnp.int32))
-  nodes = (jnp.arange(num_nodes, dtype=jnp.int32), tree_tokens, parents,
-           uniform)
+  nodes = (jnp.arange(tree_tokens.shape[0], dtype=jnp.int32), tree_tokens,
+           parents, uniform)
   (_, r, _, num_accepted, path), _ = jax.lax.scan(step, init, nodes)
-
   # r is the residual at the last context, or p there when it is a leaf.
-  if greedy:
-    next_token = sampling.argmax(r)
-  else:
-    next_token = sampling.categorical(emit_key, r)
-  path_tokens = tree_tokens[jnp.maximum(path, 0)]  # [D]
-  position = jnp.arange(depth + 1)
-  tokens = jnp.where(position < num_accepted,
-                     jnp.pad(path_tokens, (0, 1)), next_token)
-  return tokens.astype(jnp.int32), num_accepted, path
+  return num_accepted, path, r
+
+
+def outcome(
+    uniform: jax.Array,
+    tree_tokens: jax.Array,
+    parents: jax.Array,
+    draft_probs: jax.Array,
+    target_probs: jax.Array,
+    *,
+    greedy: bool = False,
+    depth: int | None = None,
+    residual: Callable[[jax.Array, jax.Array], jax.Array] = _residual,
+    without: Callable[[jax.Array, jax.Array], jax.Array] = _without,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Where the walk stops for given acceptance draws, and what it emits there.
+
+  Node i, when tried, is accepted if uniform[:, i] < min(1, r(x) / s(x)).
+  `resample_tree` is this function with uniforms drawn from its key,
+  followed by one draw from next_probs; the enumeration tests drive it with
+  controlled uniforms to compute the rule's exact law.
+
+  Args:
+    uniform: [B, N] float32 in [0, 1), one per node (unused at T = 0).
+    the rest: as `resample_tree`.
+
+  Returns:
+    num_accepted [B] int32 in [0, D], path [B, D] int32 (the accepted
+    nodes, -1 after num_accepted) and next_probs [B, V], the law of the
+    token emitted after the path (one-hot at T = 0).
+  """
+  if depth is None:
+    if isinstance(parents, jax.core.Tracer):
+      depth = tree_tokens.shape[1]
+    else:
+      depth = tree_depth(parents)
+  row = functools.partial(_walk_row, depth=depth, greedy=greedy,
+                          residual=residual, without=without)
+  return jax.vmap(row)(uniform, tree_tokens.astype(jnp.int32),
+                       parents.astype(jnp.int32), draft_probs, target_probs)
 
 
 def resample_tree(
@@ -158,13 +189,19 @@ def resample_tree(
     path [B, D] int32: the accepted path's node indices, -1 after
     num_accepted.
   """
-  if depth is None:
-    if isinstance(parents, jax.core.Tracer):
-      depth = tree_tokens.shape[1]
-    else:
-      depth = tree_depth(parents)
-  keys = jax.random.split(key, tree_tokens.shape[0])
-  row = functools.partial(_resample_row, depth=depth, greedy=greedy,
-                          residual=residual, without=without)
-  return jax.vmap(row)(keys, tree_tokens.astype(jnp.int32),
-                       parents.astype(jnp.int32), draft_probs, target_probs)
+  num_rows, num_nodes = tree_tokens.shape
+  # One key per row, split into the row's acceptance and emission keys.
+  keys = jax.vmap(jax.random.split)(jax.random.split(key, num_rows))  # [B, 2]
+  uniform = jax.vmap(lambda k: jax.random.uniform(k, (num_nodes,)))(
+      keys[:, 0])  # [B, N]
+  num_accepted, path, next_probs = outcome(
+      uniform, tree_tokens, parents, draft_probs, target_probs, greedy=greedy,
+      depth=depth, residual=residual, without=without)
+  if greedy:
+    next_token = sampling.argmax(next_probs)
+  else:
+    next_token = jax.vmap(sampling.categorical)(keys[:, 1], next_probs)
+  path_tokens = jnp.take_along_axis(tree_tokens.astype(jnp.int32),
+                                    jnp.maximum(path, 0), axis=1)  # [B, D]
+  return (token.emitted_tokens(path_tokens, num_accepted, next_token),
+          num_accepted, path)
