@@ -143,8 +143,11 @@ def full_acceptance_then_more(stats, gamma):
   return float(np.mean(full > 0))
 
 
-CASES = [  # about a minute each
-    (sj.Sampling(temperature=1.0), GAMMA),
+# Every test here is slow, about a minute or more each. The default suite
+# checks the rules' own code by exact enumeration instead
+# (tests/test_rules_by_uniforms.py); CI runs these too.
+CASES = [
+    pytest.param(sj.Sampling(temperature=1.0), GAMMA, marks=pytest.mark.slow),
     pytest.param(sj.Sampling(temperature=1.0, top_k=3), GAMMA,
                  marks=pytest.mark.slow),
     pytest.param(sj.Sampling(temperature=0.8, top_p=0.8), 1,
@@ -178,7 +181,7 @@ def block_correction_from_p(key, draft_tokens, draft_probs, target_probs, *,
                     token[:, None]).astype(jnp.int32), num_accepted)
 
 
-@pytest.mark.slow  # about a minute each, as every test here
+@pytest.mark.slow
 @pytest.mark.parametrize("rule, exact", [
     (sj.resample_block, True),
     # The negative control: the same test must reject it.
@@ -231,8 +234,8 @@ def correction_from_p():
   return functools.partial(sj.resample, correction=lambda q, p: p)
 
 
-@pytest.mark.parametrize("name", [
-    "model", pytest.param("ngram", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["model", "ngram"])
 def test_negative_control_wrong_correction_is_rejected(pair8, name):
   target, draft = pair8
   drafter = (sj.ModelDrafter(draft) if name == "model"

@@ -20,7 +20,7 @@ import pytest
 from spec_jax import rules
 from test_resample import (PrefixLaws, continue_with_target, enumerate_drafts,
                            max_law_gap, target_law)
-from test_tree_resample import enumerate_trees
+from test_tree_resample import enumerate_trees, stack_trees
 from uniform_enumeration import emitted_law, law_over_uniforms
 
 
@@ -46,10 +46,8 @@ def tree_law(laws, branching, **rule_options):
   cycle over every tree, then the target."""
   trees = list(enumerate_trees(laws, branching))
   probs = np.array([t[0] for t in trees])
-  inputs = [np.stack(x) for x in list(zip(*trees))[1:]]
-  tree_tokens, parents, draft_probs, target_probs = inputs
-  inputs = (tree_tokens.astype(np.int32), parents.astype(np.int32),
-            draft_probs.astype(np.float32), target_probs.astype(np.float32))
+  inputs = stack_trees([t[1:] for t in trees])
+  tree_tokens = inputs[0]
   outcome = functools.partial(rules.tree.outcome, depth=len(branching),
                               **rule_options)
   index, weight, (num_accepted, path, next_probs) = law_over_uniforms(

@@ -174,9 +174,12 @@ def _likely_trees(laws, branching, count):
   return [t[1:] for t in trees[:count]]
 
 
-def _batch(rows):
-  return [jnp.asarray(np.stack(x), dtype) for x, dtype in zip(
-      zip(*rows), (jnp.int32, jnp.int32, jnp.float32, jnp.float32))]
+def stack_trees(rows):
+  """Rows of (tree_tokens, parents, draft_probs, target_probs) -> the four
+  batched arrays `rules.tree` takes, [B, N] int32 twice and [B, N+1, V]
+  float32 twice."""
+  return [np.stack(x).astype(dtype) for x, dtype in zip(
+      zip(*rows), (np.int32, np.int32, np.float32, np.float32))]
 
 
 def _check_against_reference(rows, tokens, num_accepted, path):
@@ -210,7 +213,7 @@ def _sample_likely_trees():
   laws = PrefixLaws(4, seed=2)
   rows = [t for t in _likely_trees(laws, (2, 2), 4) for _ in range(20_000)]
   outputs = jax.jit(rules.resample_tree, static_argnames="depth")(
-      jax.random.key(0), *_batch(rows), depth=2)
+      jax.random.key(0), *stack_trees(rows), depth=2)
   return rows, outputs
 
 
@@ -248,7 +251,7 @@ def test_unused_nodes_in_a_mixed_batch():
            np.pad(small_p, ((0, pad), (0, 0)), constant_values=0.25))
   rows = [full, small] * 10_000
   tokens, num_accepted, path = rules.resample_tree(jax.random.key(1),
-                                                   *_batch(rows))
+                                                   *stack_trees(rows))
   assert tokens.shape == (len(rows), 3) and path.shape == (len(rows), 2)
   assert int(num_accepted[1::2].max()) == 1
   _check_against_reference(rows, tokens, num_accepted, path)

@@ -129,7 +129,24 @@ def outcome(
 
   Args:
     uniform: [B, N] float32 in [0, 1), one per node (unused at T = 0).
-    the rest: as `resample_tree`.
+    tree_tokens: [B, N] int32, node i's token; nodes in topological order
+      (parents[b, i] < i).
+    parents: [B, N] int32, the parent node of i, -1 when i hangs from the
+      root, -2 when row b does not use node i.
+    draft_probs: [B, N+1, V] float32, q at each context node: index 0 the
+      root, index j+1 node j; 0 at unused nodes. The children of a context
+      node are distinct tokens drawn from its q without replacement, in node
+      order.
+    target_probs: [B, N+1, V] float32, p at the same context nodes.
+    greedy: temperature 0: follow the child equal to argmax p at each level;
+      emit argmax p where there is none.
+    depth: D, static, at least the tree's depth. By default it is the depth
+      of the deepest row, `tree_depth(parents)`; under jit, where parents is
+      traced, it defaults to N, the deepest a tree of N nodes can be.
+    residual: (r [V], s [V]) -> r after a rejection, norm(max(0, r - s)).
+    without: (s [V], token) -> s after a rejection, s with the token
+      removed. Exact only as the defaults; a negative control passes a wrong
+      one (e.g. `without=lambda s, token: s` keeps tried siblings in s).
 
   Returns:
     num_accepted [B] int32 in [0, D], path [B, D] int32 (the accepted
@@ -155,32 +172,14 @@ def resample_tree(
     target_probs: jax.Array,
     *,
     greedy: bool = False,
-    depth: int | None = None,
-    residual: Callable[[jax.Array, jax.Array], jax.Array] = _residual,
-    without: Callable[[jax.Array, jax.Array], jax.Array] = _without,
+    **options,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Accepts a root-to-node path of the tree and appends one token.
 
   Args:
     key: PRNG key.
-    tree_tokens: [B, N] int32, node i's token; nodes in topological order
-      (parents[b, i] < i).
-    parents: [B, N] int32, the parent node of i, -1 when i hangs from the
-      root, -2 when row b does not use node i.
-    draft_probs: [B, N+1, V] float32, q at each context node: index 0 the
-      root, index j+1 node j; 0 at unused nodes. The children of a context
-      node are distinct tokens drawn from its q without replacement, in node
-      order.
-    target_probs: [B, N+1, V] float32, p at the same context nodes.
-    greedy: temperature 0: follow the child equal to argmax p at each level;
-      emit argmax p where there is none.
-    depth: D, static, at least the tree's depth. By default it is the depth
-      of the deepest row, `tree_depth(parents)`; under jit, where parents is
-      traced, it defaults to N, the deepest a tree of N nodes can be.
-    residual: (r [V], s [V]) -> r after a rejection, norm(max(0, r - s)).
-    without: (s [V], token) -> s after a rejection, s with the token
-      removed. Exact only as the defaults; a negative control passes a wrong
-      one (e.g. `without=lambda s, token: s` keeps tried siblings in s).
+    tree_tokens, parents, draft_probs, target_probs, greedy: as `outcome`.
+    **options: `outcome`'s depth, residual and without.
 
   Returns:
     tokens [B, D+1] int32: the accepted path's tokens, then the correction
@@ -196,7 +195,7 @@ def resample_tree(
       keys[:, 0])  # [B, N]
   num_accepted, path, next_probs = outcome(
       uniform, tree_tokens, parents, draft_probs, target_probs, greedy=greedy,
-      depth=depth, residual=residual, without=without)
+      **options)
   if greedy:
     next_token = sampling.argmax(next_probs)
   else:
