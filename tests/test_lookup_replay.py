@@ -69,3 +69,15 @@ def test_costs_prediction_and_bound():
   assert summary["copy_bound_speedup"] == pytest.approx(4 / 2.75)
   assert summary["accepted_by_match_length"] == {
       "2": {"cycles": 1, "mean_accepted": 2.0, "some_accepted": 1.0}}
+
+
+def test_bound_takes_a_wider_pass_where_it_was_measured_cheaper():
+  """Measured costs can dip with the width (here 2 drafts cost less than 1):
+  the bound prices a 1-draft cycle at the 2-draft pass and a plain cycle at
+  a step, so it never falls below the setting's own prediction."""
+  costs = {"1": 1.2, "2": 1.1, "4": 1.3, "8": 1.5}
+  cycles = [(1, 4, 1, 2), (1, 4, 0, 1), (0, 0, 0, 1), (3, 4, 4, 5)]
+  summary = lookup_replay.summarize(cycles, 4, costs)
+  assert summary["copy_bound_speedup"] == pytest.approx(
+      9 / (1.1 + 1.0 + 1.0 + 1.3))
+  assert summary["predicted_speedup"] <= summary["copy_bound_speedup"]
