@@ -37,6 +37,11 @@ import spec_jax as sj
 from spec_jax import decoding
 from conftest import chi_square_p_value, detectable_total_variation, tiny_pair
 
+# Every test here is slow, about a minute or more each. The default suite
+# checks the rules' own code by exact enumeration instead
+# (tests/test_rules_by_uniforms.py); CI runs these too.
+pytestmark = pytest.mark.slow
+
 VOCAB = 8
 GAMMA = 2
 NUM_NEW = 2 * GAMMA + 2
@@ -143,15 +148,10 @@ def full_acceptance_then_more(stats, gamma):
   return float(np.mean(full > 0))
 
 
-# Every test here is slow, about a minute or more each. The default suite
-# checks the rules' own code by exact enumeration instead
-# (tests/test_rules_by_uniforms.py); CI runs these too.
 CASES = [
-    pytest.param(sj.Sampling(temperature=1.0), GAMMA, marks=pytest.mark.slow),
-    pytest.param(sj.Sampling(temperature=1.0, top_k=3), GAMMA,
-                 marks=pytest.mark.slow),
-    pytest.param(sj.Sampling(temperature=0.8, top_p=0.8), 1,
-                 marks=pytest.mark.slow),
+    (sj.Sampling(temperature=1.0), GAMMA),
+    (sj.Sampling(temperature=1.0, top_k=3), GAMMA),
+    (sj.Sampling(temperature=0.8, top_p=0.8), 1),
 ]
 
 
@@ -181,7 +181,6 @@ def block_correction_from_p(key, draft_tokens, draft_probs, target_probs, *,
                     token[:, None]).astype(jnp.int32), num_accepted)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("rule, exact", [
     (sj.resample_block, True),
     # The negative control: the same test must reject it.
@@ -204,7 +203,6 @@ def other_drafters(target, draft):
   }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ngram", "layer_skip", "dynamic_gamma"])
 def test_every_drafter_samples_the_target_law(pair8, name):
   target, draft = pair8
@@ -216,7 +214,6 @@ def test_every_drafter_samples_the_target_law(pair8, name):
   assert follows_law(p_values), p_values
 
 
-@pytest.mark.slow
 def test_autoregressive_samples_follow_target_law(pair8):
   """The harness itself: the plain sampler passes the same test."""
   target, _ = pair8
@@ -234,7 +231,6 @@ def correction_from_p():
   return functools.partial(sj.resample, correction=lambda q, p: p)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["model", "ngram"])
 def test_negative_control_wrong_correction_is_rejected(pair8, name):
   target, draft = pair8
