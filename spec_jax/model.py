@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax import cpu_matmul
 from spec_jax.kv_cache import KVCache, init_cache, write
 
 # Masked attention scores. Finite rather than -inf so that a query that sees no
@@ -214,7 +215,16 @@ def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
   the activation dtype. Speculative decoding then preserves exactly the law
   of this bfloat16-weight model, whose logits are close to the float32
   model's but not equal to them.
+
+  On the CPU backend of one device, products of at most
+  `cpu_matmul.MAX_ROWS` rows run the small-row kernel instead (cpu_matmul.py
+  says why): the same product, with each row's sums in an order that does not
+  depend on the rows beside it.
   """
+  if cpu_matmul.applies(x, kernel):
+    rows = x.reshape(-1, x.shape[-1]).astype(kernel.dtype)  # [M, D]
+    y = cpu_matmul.small_row_matmul(rows, kernel)  # [M, F] float32
+    return y.reshape(x.shape[:-1] + y.shape[-1:]).astype(x.dtype)
   if kernel.dtype == x.dtype:
     return jnp.einsum("...d,fd->...f", x, kernel)
   product = lambda x: jnp.einsum("...d,fd->...f", x.astype(kernel.dtype),

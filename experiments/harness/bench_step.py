@@ -1,6 +1,7 @@
 """What one target step and one verify cost, against the memory roofline.
 
-For each model: the read bandwidth (a jitted sum over 1 GiB), the weight
+For each model: the read bandwidth (the faster of a jitted sum and the
+small-row kernel's one-row product, over 1 GiB), the weight
 bytes, hence the roofline of a step (weight bytes / bandwidth: a decode step
 reads every weight once); the step itself (model call and sampling, over a
 filled cache, in a jitted loop as the decode loop runs it); a verify of
@@ -8,9 +9,11 @@ gamma + 1 tokens with its rejection step, for each gamma, at batch 1 and at
 batch 8, as a ratio to the step at the same batch; the output layer alone;
 and AR and SD (prompt lookup) tokens/s on the same prompts, side by side.
 Every time is a median over rounds in which the parts take turns
-(`timing.RoundTimer`).
+(`timing.RoundTimer`). A model with `cpu_kernel: False` runs with XLA's dot
+in place of the small-row CPU kernel (`spec_jax.cpu_matmul`).
 """
 
+import contextlib
 import functools
 import logging
 
@@ -21,6 +24,7 @@ import numpy as np
 
 from experiments.harness import compare, loading, timing
 from experiments.harness import config as config_lib
+from spec_jax import cpu_matmul
 from spec_jax.drafting import Proposal
 from spec_jax.model import matmul
 from spec_jax.sampling import Sampling
@@ -35,12 +39,29 @@ def _sum(x):
   return x.sum()
 
 
+@jax.jit
+def _one_row_product(x):
+  """x [N, K] read by the small-row kernel as the weights of a one-row
+  product: a streaming read with a little arithmetic per byte."""
+  return cpu_matmul.small_row_matmul(jnp.ones((1, x.shape[1]), x.dtype), x)
+
+
 def read_bandwidth(rounds: int) -> float:
-  """Bytes per second of a jitted sum over a 1 GiB float32 array."""
-  data = jnp.ones((GIB // 4,), jnp.float32)
-  _sum(data).block_until_ready()
-  seconds = [timing.timed(_sum, data)[1] for _ in range(rounds)]
-  return GIB / float(np.median(seconds))
+  """Bytes per second of the faster of two reads of a 1 GiB float32 array:
+  a jitted sum, and (where it runs) the small-row kernel's one-row product,
+  which reads memory faster than XLA's reduction does."""
+  data = jnp.ones((GIB // 4 // 1024, 1024), jnp.float32)
+  reads = {"sum": _sum}
+  if cpu_matmul.isa() is not None and jax.default_backend() == "cpu":
+    reads["kernel"] = _one_row_product
+  best = {}
+  for name, read in reads.items():
+    read(data).block_until_ready()
+    seconds = [timing.timed(read, data)[1] for _ in range(rounds)]
+    best[name] = GIB / float(np.median(seconds))
+  _log.info("read bandwidth: %s", {k: f"{v / 1e9:.1f} GB/s"
+                                   for k, v in best.items()})
+  return max(best.values())
 
 
 @jax.jit
@@ -86,6 +107,12 @@ def measure_model(config: ml_collections.ConfigDict, model_config,
   """One model's row of bench_step.json."""
   run_config = ml_collections.ConfigDict(config.to_dict())
   run_config.update(model_config)
+  with (contextlib.nullcontext() if run_config.get("cpu_kernel", True)
+        else cpu_matmul.disabled()):
+    return _measure(config, run_config, bandwidth)
+
+
+def _measure(config, run_config, bandwidth: float) -> dict:
   loaded = loading.load_models(run_config)
   target = loaded.target.model
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
@@ -137,7 +164,7 @@ def bench_step(config: ml_collections.ConfigDict) -> dict:
               "AR %.1f, SD %.1f tok/s", name, 1e3 * row["step_s"],
               row["step_over_roofline"], row["verify_cost_ratio"],
               row["ar_tokens_per_s"], row["sd_tokens_per_s"])
-  return {"models": models}
+  return {"models": models, "cpu_kernel": cpu_matmul.isa()}
 
 
 def format_table(report: dict) -> str:

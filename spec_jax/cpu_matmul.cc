@@ -1,0 +1,354 @@
+// y[M, N] = x[M, K] . w[N, K]^T for a few rows M, as an XLA FFI handler.
+//
+// XLA:CPU's dots of 2-16 rows read the weights at a third of the bandwidth a
+// one-row product reaches. Here the k loop is outermost within a panel of
+// output columns, so every weight byte is read from memory once per call and
+// serves every row of x from registers.
+//
+// Each output element is one vector accumulator over k in steps of the vector
+// width, reduced in a fixed order at the end. That order depends on neither
+// M nor the other rows, so a row's output is bitwise the same whether it is
+// computed alone (a decode step) or with others (a verify).
+//
+// Weights are float32 or bfloat16 in their stored [out, in] layout, with x in
+// the same dtype (the caller rounds x to bfloat16 for bfloat16 weights, as
+// `model.matmul` defines the product); sums are float32.
+
+#include <immintrin.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <type_traits>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using bf16 = uint16_t;
+
+// Output columns per pass over k, and x rows per pass: 4 x 6 = 24 vector
+// accumulators, 4 weight vectors and 1 x vector fit AVX-512's 32 registers.
+// A panel's weights (4 rows of k) stay in L1 while later row tiles reuse them.
+constexpr int kPanel = 4;
+constexpr int kRowTile = 6;
+
+// One vector ISA: the widest the compiler targets (-march=native).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int kWidth = 16;
+using Vec = __m512;
+using Mask = __mmask16;
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Mask TailMask(int64_t n) { return (Mask)((1u << n) - 1); }
+inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec Load(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+inline Vec Widen(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline Vec Load(const bf16* p) {
+  return Widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline Vec Load(const bf16* p, Mask m) {
+  return Widen(_mm256_maskz_loadu_epi16(m, p));
+}
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline void Prefetch(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kWidth = 8;
+using Vec = __m256;
+using Mask = __m256i;
+inline Vec Zero() { return _mm256_setzero_ps(); }
+inline Mask TailMask(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec Load(const float* p, Mask m) { return _mm256_maskload_ps(p, m); }
+inline Vec Widen(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline Vec Load(const bf16* p) {
+  return Widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline Vec Load(const bf16* p, Mask m) {
+  // No 16-bit masked load in AVX2: copy the tail out first.
+  alignas(32) int32_t lanes[kWidth];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), m);
+  bf16 tail[kWidth] = {};
+  for (int n = 0; n < kWidth && lanes[n]; ++n) tail[n] = p[n];
+  return Load(tail);
+}
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float Sum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline void Prefetch(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+}
+#else
+constexpr int kWidth = 1;
+using Vec = float;
+using Mask = bool;
+inline Vec Zero() { return 0.0f; }
+inline Mask TailMask(int64_t) { return true; }
+inline Vec Load(const float* p) { return *p; }
+inline Vec Load(const float* p, Mask) { return *p; }
+inline Vec Load(const bf16* p) {
+  uint32_t bits = uint32_t(*p) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline Vec Load(const bf16* p, Mask) { return Load(p); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return a * b + c; }
+inline float Sum(Vec v) { return v; }
+inline void Prefetch(const void*) {}
+#endif
+
+template <typename V>
+inline void KeepInRegister(V& v) {
+#if defined(__AVX2__)
+  asm volatile("" : "+v"(v));
+#endif
+}
+
+// The weights of a panel of P rows are one contiguous block, and the next
+// panel follows it. Each of the `tiles` row tiles of this panel prefetches
+// its share of the next panel, spread over its k loop, so memory streams the
+// next panel during all of this panel's compute rather than in a burst.
+struct Ahead {
+  const char* next;  // the next panel's weights; nullptr for the last panel
+  int64_t bytes;     // its size
+  int64_t tile, tiles;
+};
+
+inline void PrefetchShare(const Ahead& ahead, int64_t k, int64_t step,
+                          int64_t k_size) {
+  if (!ahead.next) return;
+  int64_t share = ahead.bytes / ahead.tiles;
+  int64_t lo = ahead.tile * share + share * k / k_size;
+  int64_t hi = ahead.tile * share + share * std::min(k + step, k_size) / k_size;
+  for (int64_t b = lo & ~int64_t{63}; b < hi; b += 64) Prefetch(ahead.next + b);
+}
+
+// y[r, p] for rows r < R of x and columns p < P: R x P dot products over k.
+template <typename T, int P, int R>
+void Tile(const T* x, int64_t ldx, const T* w, int64_t k_size, float* y,
+          int64_t ldy, const Ahead& ahead) {
+  Vec acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = Zero();
+  int64_t k = 0;
+  for (; k + kWidth <= k_size; k += kWidth) {
+    PrefetchShare(ahead, k, kWidth, k_size);
+    Vec wv[P];
+    for (int p = 0; p < P; ++p) wv[p] = Load(w + p * k_size + k);
+    for (int r = 0; r < R; ++r) {
+      Vec xv = Load(x + r * ldx + k);
+      // Keep x in a register for its P uses: left alone, gcc folds the load
+      // into each FMA, and P loads per row made 9 rows 20% slower.
+      KeepInRegister(xv);
+      for (int p = 0; p < P; ++p) acc[r][p] = Fma(wv[p], xv, acc[r][p]);
+    }
+  }
+  if (k < k_size) {
+    Mask mask = TailMask(k_size - k);
+    Vec wv[P];
+    for (int p = 0; p < P; ++p) wv[p] = Load(w + p * k_size + k, mask);
+    for (int r = 0; r < R; ++r) {
+      Vec xv = Load(x + r * ldx + k, mask);
+      for (int p = 0; p < P; ++p) acc[r][p] = Fma(wv[p], xv, acc[r][p]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) y[r * ldy + p] = Sum(acc[r][p]);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// bfloat16 weights with the bf16 dot-product instruction: each lane sums the
+// products of a pair of adjacent k (x and w both bfloat16) into float32, so
+// one instruction covers 32 k. Products of two bfloat16 values are exact in
+// float32; only the order of the sums differs from the widening path above.
+template <int P, int R>
+void TileDp(const bf16* x, int64_t ldx, const bf16* w, int64_t k_size,
+            float* y, int64_t ldy, const Ahead& ahead) {
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  int64_t k = 0;
+  auto step = [&](auto load) {
+    __m512bh wv[P];
+    for (int p = 0; p < P; ++p) wv[p] = (__m512bh)load(w + p * k_size + k);
+    for (int r = 0; r < R; ++r) {
+      __m512bh xv = (__m512bh)load(x + r * ldx + k);
+      KeepInRegister(xv);
+      for (int p = 0; p < P; ++p)
+        acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, wv[p]);
+    }
+  };
+  for (; k + 32 <= k_size; k += 32) {
+    PrefetchShare(ahead, k, 32, k_size);
+    step([](const bf16* q) { return _mm512_loadu_si512(q); });
+  }
+  if (k < k_size) {
+    __mmask32 mask = (__mmask32)((1ull << (k_size - k)) - 1);
+    step([mask](const bf16* q) { return _mm512_maskz_loadu_epi16(mask, q); });
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) y[r * ldy + p] = _mm512_reduce_add_ps(acc[r][p]);
+}
+#define SPEC_JAX_TILE(T, P, R) \
+  (std::is_same_v<T, bf16> ? (TileFn<T>)TileDp<P, R> : Tile<T, P, R>)
+#else
+#define SPEC_JAX_TILE(T, P, R) Tile<T, P, R>
+#endif
+
+template <typename T>
+using TileFn = void (*)(const T*, int64_t, const T*, int64_t, float*, int64_t,
+                        const Ahead&);
+
+template <typename T, int P>
+TileFn<T> TileFor(int rows) {
+  switch (rows) {
+    case 1: return SPEC_JAX_TILE(T, P, 1);
+    case 2: return SPEC_JAX_TILE(T, P, 2);
+    case 3: return SPEC_JAX_TILE(T, P, 3);
+    case 4: return SPEC_JAX_TILE(T, P, 4);
+    case 5: return SPEC_JAX_TILE(T, P, 5);
+    default: return SPEC_JAX_TILE(T, P, 6);
+  }
+}
+
+// Columns [n_begin, n_end) of y, every row.
+template <typename T>
+void Columns(const T* x, const T* w, float* y, int64_t m_size, int64_t n_size,
+             int64_t k_size, int64_t n_begin, int64_t n_end) {
+  int64_t tiles = (m_size + kRowTile - 1) / kRowTile;
+  for (int64_t n = n_begin; n < n_end;) {
+    bool whole = n + kPanel <= n_end;
+    const T* next = w + (n + kPanel) * k_size;
+    bool next_whole = n + 2 * kPanel <= n_end;
+    for (int64_t t = 0; t < tiles; ++t) {
+      int64_t m = t * kRowTile;
+      int rows = (int)std::min<int64_t>(kRowTile, m_size - m);
+      TileFn<T> tile = whole ? TileFor<T, kPanel>(rows) : TileFor<T, 1>(rows);
+      Ahead ahead{next_whole ? reinterpret_cast<const char*>(next) : nullptr,
+                  int64_t(kPanel * k_size * sizeof(T)), t, tiles};
+      tile(x + m * k_size, k_size, w + n * k_size, k_size, y + m * n_size + n,
+           n_size, ahead);
+    }
+    n += whole ? kPanel : 1;
+  }
+}
+
+// Chunks of columns claimed from a counter by the caller and by tasks on
+// XLA's intra-op pool. The caller never waits for a chunk nobody has claimed,
+// so it cannot deadlock on a pool whose threads are busy elsewhere; a task
+// that starts after every chunk is claimed returns at once. shared_ptr keeps
+// the counters alive for such late tasks.
+struct Chunks {
+  int64_t count;
+  std::function<void(int64_t)> run;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Drain() {
+    for (int64_t c; (c = next.fetch_add(1)) < count;) {
+      run(c);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+int64_t UsableCores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+template <typename T>
+void Run(ffi::ThreadPool& pool, const T* x, const T* w, float* y,
+         int64_t m_size, int64_t n_size, int64_t k_size) {
+  static const int64_t cores = UsableCores();
+  int64_t workers = std::max<int64_t>(
+      1, std::min<int64_t>(cores, pool.num_threads() + 1));
+  // About 4 chunks per worker, whole panels each, so a late-starting worker
+  // still finds work without the chunks getting small.
+  int64_t panels = (n_size + kPanel - 1) / kPanel;
+  int64_t per_chunk = std::max<int64_t>(1, panels / (4 * workers));
+  auto chunks = std::make_shared<Chunks>();
+  chunks->count = (panels + per_chunk - 1) / per_chunk;
+  chunks->run = [=](int64_t c) {
+    int64_t begin = c * per_chunk * kPanel;
+    int64_t end = std::min(n_size, begin + per_chunk * kPanel);
+    Columns(x, w, y, m_size, n_size, k_size, begin, end);
+  };
+  for (int64_t i = 1; i < std::min(workers, chunks->count); ++i)
+    pool.Schedule([chunks] { chunks->Drain(); });
+  chunks->Drain();
+  while (chunks->done.load(std::memory_order_acquire) < chunks->count)
+    std::this_thread::yield();
+}
+
+ffi::Error SmallRowMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                              ffi::AnyBuffer w,
+                              ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  auto x_dims = x.dimensions();
+  auto w_dims = w.dimensions();
+  if (x_dims.size() != 2 || w_dims.size() != 2 || x_dims[1] != w_dims[1])
+    return ffi::Error::InvalidArgument(
+        "small_row_matmul takes x [M, K] and w [N, K]");
+  if (x.element_type() != w.element_type())
+    return ffi::Error::InvalidArgument(
+        "small_row_matmul takes x and w in one dtype");
+  int64_t m = x_dims[0], k = x_dims[1], n = w_dims[0];
+  switch (w.element_type()) {
+    case ffi::F32:
+      Run(pool, x.typed_data<float>(), w.typed_data<float>(), y->typed_data(),
+          m, n, k);
+      return ffi::Error::Success();
+    case ffi::BF16:
+      Run(pool, reinterpret_cast<const bf16*>(x.untyped_data()),
+          reinterpret_cast<const bf16*>(w.untyped_data()), y->typed_data(), m,
+          n, k);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument(
+          "small_row_matmul takes float32 or bfloat16 weights");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallRowMatmul, SmallRowMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// What the compiler targeted, for the log line and the results files.
+extern "C" const char* SmallRowMatmulIsa() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return "avx512+bf16";
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2+fma";
+#else
+  return "scalar";
+#endif
+}

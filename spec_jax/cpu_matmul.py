@@ -1,0 +1,174 @@
+"""A small-row matmul kernel for XLA:CPU (cpu_matmul.cc), called through FFI.
+
+XLA:CPU's dots of 2-16 rows read the weights at a third of the bandwidth a
+one-row product reaches, so a verify of a few tokens cost about two decode
+steps; a one-row product with bfloat16 weights converted a float32 copy of the
+whole kernel. The kernel reads each weight byte once per call for up to
+`MAX_ROWS` rows, in float32 or bfloat16, and computes each output row in an
+order that does not depend on the other rows: a decode step and a verify give
+the same logits bit for bit, so greedy speculative decoding equals greedy
+decoding in bfloat16 too.
+
+`model.matmul` calls it on the CPU backend of a one-device process for products
+of at most `MAX_ROWS` rows; everything else (more rows, a mesh of several
+devices, TPU and GPU) keeps XLA's dot.
+
+It is compiled on first use with the system C++ compiler (`$CXX`, else `c++`)
+for this CPU (-march=native: AVX-512 with its bf16 dot products where the CPU
+has them, AVX2+FMA otherwise), into a cache keyed by the source, the jaxlib
+version, the compiler and the CPU. Without a compiler one warning says so and
+XLA's dot runs; `SPEC_JAX_CPU_KERNEL=0` turns the kernel off, and `disabled()` within a
+process.
+"""
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+# The most rows the kernel takes. XLA's own dot is slower up to at least this
+# many on the machine these numbers come from (docs/step_benchmark.md).
+MAX_ROWS = 16
+ENV_VAR = "SPEC_JAX_CPU_KERNEL"
+_SOURCE = pathlib.Path(__file__).with_suffix(".cc")
+_TARGET = "spec_jax_small_row_matmul"
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+_log = logging.getLogger(__name__)
+# Set by `disabled()`.
+_disabled = False
+
+
+def _cpu_signature() -> str:
+  """What -march=native compiles for: the CPU's model and feature flags."""
+  try:
+    lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+  except OSError:
+    return platform.processor() or platform.machine()
+  wanted = ("model name", "flags")
+  return "\n".join(next((l for l in lines if l.startswith(w)), "")
+                   for w in wanted)
+
+
+def _compile(compiler: str, path: pathlib.Path):
+  """Builds the shared library at `path`, atomically: a concurrent build or an
+  interrupted one never leaves a partial file under that name."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+    built = pathlib.Path(scratch) / path.name
+    subprocess.run([compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}",
+                    str(_SOURCE), "-o", str(built)],
+                   check=True, capture_output=True, text=True)
+    os.replace(built, path)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+  """The compiled kernel, registered with XLA; None where it cannot run."""
+  if os.environ.get(ENV_VAR, "1") == "0":
+    _log.info("%s=0: the small-row CPU kernel is off; XLA's dot runs.",
+              ENV_VAR)
+    return None
+  if platform.machine() not in ("x86_64", "AMD64"):
+    return None
+  compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+  if compiler is None:
+    _log.warning("No C++ compiler found (set CXX, or install g++): the "
+                 "small-row CPU kernel is not built and XLA's dot runs.")
+    return None
+  key = hashlib.sha256("\0".join(
+      (_SOURCE.read_text(), jaxlib.__version__, compiler, *_FLAGS,
+       _cpu_signature())).encode()).hexdigest()[:16]
+  cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME",
+                                      pathlib.Path.home() / ".cache"))
+  path = cache / "spec_jax" / f"cpu_matmul-{key}.so"
+  if not path.exists():
+    try:
+      _compile(compiler, path)
+    except (OSError, subprocess.CalledProcessError) as error:
+      detail = getattr(error, "stderr", None) or str(error)
+      _log.warning("Building the small-row CPU kernel failed, XLA's dot runs "
+                   "(%s=0 silences this): %s", ENV_VAR, detail[-2000:])
+      return None
+  library = ctypes.cdll.LoadLibrary(str(path))
+  library.SmallRowMatmulIsa.restype = ctypes.c_char_p
+  jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.SmallRowMatmul),
+                              platform="cpu")
+  return library
+
+
+def isa() -> str | None:
+  """The instruction set the kernel was built for, or None when it is off."""
+  library = _library()
+  return library.SmallRowMatmulIsa().decode() if library else None
+
+
+def applies(x: jax.Array, kernel: jax.Array) -> bool:
+  """Whether `model.matmul(x, kernel)` runs the kernel: float32 activations,
+  float32 or bfloat16 weights, at most MAX_ROWS rows, one CPU device.
+
+  Decided at trace time. On a mesh of several devices the kernel is bypassed:
+  an FFI call has no sharding rule, so XLA would gather its operands.
+  """
+  return (x.dtype == jnp.float32 and kernel.ndim == 2
+          and kernel.dtype in (jnp.float32, jnp.bfloat16)
+          and math.prod(x.shape[:-1]) <= MAX_ROWS
+          and not _disabled and jax.default_backend() == "cpu"
+          and jax.device_count() == 1 and _library() is not None)
+
+
+@contextlib.contextmanager
+def disabled():
+  """XLA's dot for every product traced inside: the kernel-off side of a
+  side-by-side benchmark in one process.
+
+  The choice is made at trace time, so JAX's compilation caches are cleared
+  on entry and on exit: no program traced on one side runs on the other.
+  """
+  global _disabled
+  jax.clear_caches()
+  _disabled = True
+  try:
+    yield
+  finally:
+    _disabled = False
+    jax.clear_caches()
+
+
+@jax.custom_vjp
+def small_row_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+  """x [M, K] times kernel [N, K] transposed, x in the kernel's dtype: [M, N]
+  float32, summed in float32."""
+  if _library() is None:
+    raise RuntimeError(f"The small-row CPU kernel is not available (off by "
+                       f"{ENV_VAR}=0, or not built: see the log); check "
+                       "cpu_matmul.applies before calling it.")
+  out = jax.ShapeDtypeStruct((x.shape[0], kernel.shape[0]), jnp.float32)
+  return jax.ffi.ffi_call(_TARGET, out)(x, kernel)
+
+
+# The kernel has no derivative of its own; gradients (rarely of so few rows)
+# are XLA's products of the same operands.
+def _forward(x, kernel):
+  return small_row_matmul(x, kernel), (x, kernel)
+
+
+def _backward(residuals, grad):  # grad [M, N] float32
+  x, kernel = residuals
+  grad_x = jnp.einsum("mn,nk->mk", grad, kernel.astype(jnp.float32))
+  grad_kernel = jnp.einsum("mn,mk->nk", grad, x.astype(jnp.float32))
+  return grad_x.astype(x.dtype), grad_kernel.astype(kernel.dtype)
+
+
+small_row_matmul.defvjp(_forward, _backward)
