@@ -45,6 +45,8 @@ def get_config(arg=None):
   # Verify widths: a verify of gamma + 1 tokens for each gamma.
   config.gammas = (1, 2, 4, 8)
   config.batch_sizes = (1, 8)
+  # Rows M of the kernel-against-XLA products over each model's weights.
+  config.crossover_rows = (1, 2, 4, 8, 16, 24, 32, 48, 64)
   # Cache slots of the timed step and verifies (about a mid-length chat).
   config.cache_length = 256
   # Timing rounds; each time is the median.
@@ -55,6 +57,7 @@ def get_config(arg=None):
       del config.models[name]
     config.models.builtin_nokernel = {**builtin, "cpu_kernel": False}
     config.gammas = (1, 2)
+    config.crossover_rows = (1, 2)
     config.batch_sizes = (1, 2)
     config.num_prompts = 2
     config.max_new_tokens = 8

@@ -114,18 +114,24 @@ def isa() -> str | None:
   return library.SmallRowMatmulIsa().decode() if library else None
 
 
-def applies(x: jax.Array, kernel: jax.Array) -> bool:
-  """Whether `model.matmul(x, kernel)` runs the kernel: float32 activations,
-  float32 or bfloat16 weights, at most MAX_ROWS rows, one CPU device.
+def serves(rows: int) -> bool:
+  """Whether products of `rows` rows run the kernel here: at most MAX_ROWS
+  of them, on one CPU device, with the kernel built and not disabled.
 
   Decided at trace time. On a mesh of several devices the kernel is bypassed:
   an FFI call has no sharding rule, so XLA would gather its operands.
   """
+  return (rows <= MAX_ROWS and not _disabled
+          and jax.default_backend() == "cpu" and jax.device_count() == 1
+          and _library() is not None)
+
+
+def applies(x: jax.Array, kernel: jax.Array) -> bool:
+  """Whether `model.matmul(x, kernel)` runs the kernel: float32 activations,
+  float32 or bfloat16 weights [N, K], and `serves(rows of x)`."""
   return (x.dtype == jnp.float32 and kernel.ndim == 2
           and kernel.dtype in (jnp.float32, jnp.bfloat16)
-          and math.prod(x.shape[:-1]) <= MAX_ROWS
-          and not _disabled and jax.default_backend() == "cpu"
-          and jax.device_count() == 1 and _library() is not None)
+          and serves(math.prod(x.shape[:-1])))
 
 
 @contextlib.contextmanager

@@ -225,6 +225,11 @@ def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
     rows = x.reshape(-1, x.shape[-1]).astype(kernel.dtype)  # [M, D]
     y = cpu_matmul.small_row_matmul(rows, kernel)  # [M, F] float32
     return y.reshape(x.shape[:-1] + y.shape[-1:]).astype(x.dtype)
+  return xla_matmul(x, kernel)
+
+
+def xla_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+  """`matmul` as XLA's dot computes it, without the small-row kernel."""
   if kernel.dtype == x.dtype:
     return jnp.einsum("...d,fd->...f", x, kernel)
   product = lambda x: jnp.einsum("...d,fd->...f", x.astype(kernel.dtype),
@@ -437,8 +442,18 @@ def _split_qkv(cfg: TransformerConfig, qkv: jax.Array):
 
 def _attend(cfg: TransformerConfig, q, keys, values, visible) -> jax.Array:
   """[B, T, H * Dh]: q [B, T, K, G, Dh] attending to the visible [B, T, S]
-  slots of keys, values [B, K, S, Dh]."""
+  slots of keys, values [B, K, S, Dh].
+
+  Where the small-row kernel serves the pass's matmuls (cpu_matmul.py), the
+  T query positions attend one at a time, each exactly as a one-token step
+  attends: XLA sums a dot of T query rows in an order that depends on T, and
+  that would make a verify's logits differ from the steps' in the last bits.
+  """
   batch, length = q.shape[:2]
+  if length > 1 and cpu_matmul.serves(batch * length):
+    one = lambda qv: _attend(cfg, qv[0][:, None], keys, values, qv[1][:, None])
+    rows = jax.lax.map(one, (q.swapaxes(0, 1), visible.swapaxes(0, 1)))
+    return rows[:, :, 0].swapaxes(0, 1)  # [T, B, 1, H * Dh] -> [B, T, ...]
   scale = math.sqrt(cfg.query_pre_attn_scalar or cfg.head_dim)
   scores = jnp.einsum("btkgd,bksd->bkgts", q, keys) / scale
   scores = _softcap(scores.astype(jnp.float32), cfg.attn_softcap)

@@ -112,6 +112,39 @@ def test_model_matmul_takes_the_kernel_up_to_max_rows_only():
   assert "spec_jax_small_row_matmul" not in lowered(large)
 
 
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
+def test_a_verify_gives_the_steps_logits_bit_for_bit(weight_dtype):
+  """What the kernel is for: the target's logits at a position are the same
+  whether one pass scores 9 tokens (a verify) or 9 passes score one each, so
+  greedy SD emits greedy AR's tokens in bfloat16 too. With XLA's dot (the
+  control, float32) they differ in the last bits."""
+  # The built-in pair's family (GPT-2: learned positions). With rotary
+  # positions the logits still differ in the last bits: XLA fuses the
+  # rotation into its neighbours differently for one and for 9 tokens.
+  config = sj.TransformerConfig(vocab_size=97, d_model=64, num_layers=2,
+                                num_heads=4, num_kv_heads=2, d_ff=128,
+                                max_len=64, weight_dtype=weight_dtype)
+  target = sj.Model.init(config, jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), (1, 14), 0, 97)
+
+  def verify_and_steps():
+    cache = target.init_cache(1, 32)
+    _, cache = target(tokens[:, :5], cache)
+    verify, _ = target(tokens[:, 5:], cache)
+    steps = []
+    for t in range(5, 14):
+      logits, cache = target(tokens[:, t:t + 1], cache)
+      steps.append(logits)
+    return np.asarray(verify), np.asarray(jnp.concatenate(steps, 1))
+
+  np.testing.assert_array_equal(*verify_and_steps())
+  with cpu_matmul.disabled():
+    verify, steps = verify_and_steps()
+  np.testing.assert_allclose(verify, steps, atol=1e-4)
+  if weight_dtype == "float32":  # here XLA's bfloat16 dots happen to agree
+    assert not np.array_equal(verify, steps)
+
+
 def _run(code, **env):
   """`code` in a fresh interpreter with `env` added; its stdout and stderr."""
   done = subprocess.run([sys.executable, "-c", code], cwd=REPO, text=True,

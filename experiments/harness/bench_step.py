@@ -7,7 +7,9 @@ reads every weight once); the step itself (model call and sampling, over a
 filled cache, in a jitted loop as the decode loop runs it); a verify of
 gamma + 1 tokens with its rejection step, for each gamma, at batch 1 and at
 batch 8, as a ratio to the step at the same batch; the output layer alone;
-and AR and SD (prompt lookup) tokens/s on the same prompts, side by side.
+every matmul weight times M rows by the small-row kernel and by XLA's dot,
+for the M where one starts to win (`matmul_crossover`); and AR and SD
+(prompt lookup) tokens/s on the same prompts, side by side.
 Every time is a median over rounds in which the parts take turns
 (`timing.RoundTimer`). A model with `cpu_kernel: False` runs with XLA's dot
 in place of the small-row CPU kernel (`spec_jax.cpu_matmul`).
@@ -26,7 +28,7 @@ from experiments.harness import compare, loading, timing
 from experiments.harness import config as config_lib
 from spec_jax import cpu_matmul
 from spec_jax.drafting import Proposal
-from spec_jax.model import matmul
+from spec_jax.model import matmul, xla_matmul
 from spec_jax.sampling import Sampling
 
 _log = logging.getLogger(__name__)
@@ -73,6 +75,31 @@ def _output_layer_steps(embedding, x, num_steps):
     # or computing only part of it.
     return x + logits.sum(-1, keepdims=True) * 1e-9
   return jax.lax.fori_loop(0, num_steps, step, x)
+
+
+def _kernel_product(x, kernel):
+  return cpu_matmul.small_row_matmul(x.astype(kernel.dtype), kernel)
+
+
+def matmul_crossover(params, rows, rounds: int) -> dict:
+  """{M: {"kernel_s", "xla_s"}}: every matmul weight of `params` (its 2-D
+  leaves) times M float32 rows, by the small-row kernel and by XLA's dot, in
+  one jitted call each; the rows take turns within each round."""
+  weights = [w for w in jax.tree.leaves(params) if w.ndim == 2]
+  calls = {}
+  for m in rows:
+    inputs = {k: jnp.ones((m, k), jnp.float32)
+              for k in {w.shape[1] for w in weights}}
+    for name, product in (("kernel", _kernel_product), ("xla", xla_matmul)):
+      products = jax.jit(lambda ws, xs, product=product: [
+          product(xs[w.shape[1]], w) for w in ws])
+      calls[m, name] = functools.partial(products, weights, inputs)
+  timer = timing.RoundTimer({}, calls)
+  for _ in range(rounds):
+    timer.time_round()
+  seconds = timer.seconds()
+  return {str(m): {"kernel_s": seconds[m, "kernel"], "xla_s": seconds[m, "xla"]}
+          for m in rows}
 
 
 def _timers(config: ml_collections.ConfigDict, target, drafter,
@@ -137,6 +164,10 @@ def _measure(config, run_config, bandwidth: float) -> dict:
       "sd_tokens_per_s": run["sd"]["tokens_per_s"],
       "sd_tokens_per_cycle": run["sd"]["tokens_per_cycle"],
       "sd_width_cycles": run["sd"]["width_cycles"]}
+  if (config.crossover_rows and run_config.get("cpu_kernel", True)
+      and cpu_matmul.isa() is not None and jax.default_backend() == "cpu"):
+    row["matmul_crossover"] = matmul_crossover(
+        target.params, config.crossover_rows, config.rounds)
   for batch_size, times in per_batch.items():
     suffix = "" if batch_size == config.batch_sizes[0] else (
         f"_batch{batch_size}")

@@ -1,0 +1,54 @@
+"""The llama.cpp comparison: the GGUF it re-writes for llama.cpp holds the
+same model, and (where llama-cpp-python is installed) its smoke run."""
+
+import importlib.util
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import spec_jax as sj
+from conftest import run_module
+from experiments.harness import compare_llamacpp
+from spec_jax.io import gguf as sj_gguf
+from test_gguf import _config, write_gguf
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "F16"])
+def test_the_dequantized_file_holds_the_same_model(tmp_path, weight_type):
+  """A Q8_0 file written back as F32 loads to the very params the Q8_0 file
+  loads to, tokenizer and metadata included; as F16, to those params rounded
+  to float16."""
+  model = sj.Model.init(_config("llama"), jax.random.key(0))
+  source = write_gguf(tmp_path / "q8.gguf", model, "llama", "Q8_0")
+  out = tmp_path / f"{weight_type}.gguf"
+  compare_llamacpp.dequantized_gguf(str(source), out, weight_type)
+  want, got = sj_gguf.load_gguf(source), sj_gguf.load_gguf(out)
+  assert got.model.config == want.model.config
+  assert got.stop_ids == want.stop_ids
+  assert got.chat_template == want.chat_template
+  assert not list(tmp_path.glob("*.partial"))
+  round_trip = (lambda x: x) if weight_type == "F32" else (
+      lambda x: np.asarray(x, np.float16).astype(np.float32) if x.ndim == 2
+      else x)
+  jax.tree.map(lambda w, g: np.testing.assert_array_equal(
+      g, round_trip(np.asarray(w))), want.model.params, got.model.params)
+
+
+@pytest.mark.slow  # builds nothing, but loads SmolLM2 twice and times both
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python is not installed (the optional "
+                    "llamacpp extra, never a test dependency)")
+def test_compare_llamacpp_smoke_run(tmp_path):
+  result = run_module("experiments.compare_llamacpp",
+                      "--config=configs/compare_llamacpp.py:runlocal",
+                      f"--workdir={tmp_path}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads((tmp_path / "compare_llamacpp.json").read_text())
+  row = report["weights"]["F32"]
+  for tool in ("llama_cpp", "spec_jax"):
+    assert set(row[tool]) == {"ar", "lookup_4"}
+    for summary in row[tool].values():
+      assert summary["tokens_per_s"] > 0
+      assert summary["equal_to_ar"] == summary["prompts"]
