@@ -21,10 +21,11 @@ def get_config(arg=None):
   config = base_config()
   config.target = "gguf:smollm2-135m-instruct"
   config.drafter = "ngram"
+  config.temperatures = (0.0,)  # greedy: each tool checked against its AR
   # Drafts per prompt-lookup proposal, for both tools.
   config.gammas = (4, 8)
-  # llama.cpp matches up to max_n tokens (its max_ngram_size); spec_jax
-  # proposes after matches of min_n..max_n tokens.
+  # Both propose after the longest match of max_n..min_n tokens (llama.cpp's
+  # max_ngram_size; it always goes down to 1).
   config.ngram.max_n = 3
   config.ngram.min_n = 1
   config.prompts_file = str(PROMPTS / "categories.jsonl")

@@ -34,14 +34,9 @@ namespace {
 
 using bf16 = uint16_t;
 
-// Output columns per pass over k, and x rows per pass: 4 x 6 = 24 vector
-// accumulators, 4 weight vectors and 1 x vector fit AVX-512's 32 registers.
-// A panel's weights (4 rows of k) stay in L1 while later row tiles reuse them.
-constexpr int kPanel = 4;
-constexpr int kRowTile = 6;
 
 // One vector ISA: the widest the compiler targets (-march=native).
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr int kWidth = 16;
 using Vec = __m512;
 using Mask = __mmask16;
@@ -118,6 +113,13 @@ inline float Sum(Vec v) { return v; }
 inline void Prefetch(const void*) {}
 #endif
 
+// Output columns per pass over k, and x rows per pass: with AVX-512, 4 x 6 =
+// 24 vector accumulators, 4 weight vectors and 1 x vector fit its 32
+// registers; AVX2 has 16, so 4 x 2. A panel's weights (4 rows of k) stay in
+// L1 while later row tiles reuse them.
+constexpr int kPanel = 4;
+constexpr int kRowTile = kWidth == 16 ? 6 : kWidth == 8 ? 2 : 6;
+
 template <typename V>
 inline void KeepInRegister(V& v) {
 #if defined(__AVX2__)
@@ -177,11 +179,13 @@ void Tile(const T* x, int64_t ldx, const T* w, int64_t k_size, float* y,
     for (int p = 0; p < P; ++p) y[r * ldy + p] = Sum(acc[r][p]);
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // bfloat16 weights with the bf16 dot-product instruction: each lane sums the
 // products of a pair of adjacent k (x and w both bfloat16) into float32, so
 // one instruction covers 32 k. Products of two bfloat16 values are exact in
-// float32; only the order of the sums differs from the widening path above.
+// float32, but the instruction flushes subnormal inputs and outputs to zero
+// and sums in its own order, so its results differ in the last bits from the
+// widening path above (a CPU without AVX512_BF16), never between calls.
 template <int P, int R>
 void TileDp(const bf16* x, int64_t ldx, const bf16* w, int64_t k_size,
             float* y, int64_t ldy, const Ahead& ahead) {
@@ -210,25 +214,30 @@ void TileDp(const bf16* x, int64_t ldx, const bf16* w, int64_t k_size,
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) y[r * ldy + p] = _mm512_reduce_add_ps(acc[r][p]);
 }
-#define SPEC_JAX_TILE(T, P, R) \
-  (std::is_same_v<T, bf16> ? (TileFn<T>)TileDp<P, R> : Tile<T, P, R>)
-#else
-#define SPEC_JAX_TILE(T, P, R) Tile<T, P, R>
+#define SPEC_JAX_HAS_DP 1
 #endif
 
 template <typename T>
 using TileFn = void (*)(const T*, int64_t, const T*, int64_t, float*, int64_t,
                         const Ahead&);
 
+template <typename T, int P, int R>
+constexpr TileFn<T> TileOf() {
+#ifdef SPEC_JAX_HAS_DP
+  if constexpr (std::is_same_v<T, bf16>) return TileDp<P, R>;
+#endif
+  return Tile<T, P, R>;
+}
+
 template <typename T, int P>
 TileFn<T> TileFor(int rows) {
   switch (rows) {
-    case 1: return SPEC_JAX_TILE(T, P, 1);
-    case 2: return SPEC_JAX_TILE(T, P, 2);
-    case 3: return SPEC_JAX_TILE(T, P, 3);
-    case 4: return SPEC_JAX_TILE(T, P, 4);
-    case 5: return SPEC_JAX_TILE(T, P, 5);
-    default: return SPEC_JAX_TILE(T, P, 6);
+    case 1: return TileOf<T, P, 1>();
+    case 2: return TileOf<T, P, 2>();
+    case 3: return TileOf<T, P, 3>();
+    case 4: return TileOf<T, P, 4>();
+    case 5: return TileOf<T, P, 5>();
+    default: return TileOf<T, P, 6>();
   }
 }
 
@@ -239,13 +248,14 @@ void Columns(const T* x, const T* w, float* y, int64_t m_size, int64_t n_size,
   int64_t tiles = (m_size + kRowTile - 1) / kRowTile;
   for (int64_t n = n_begin; n < n_end;) {
     bool whole = n + kPanel <= n_end;
-    const T* next = w + (n + kPanel) * k_size;
     bool next_whole = n + 2 * kPanel <= n_end;
     for (int64_t t = 0; t < tiles; ++t) {
       int64_t m = t * kRowTile;
       int rows = (int)std::min<int64_t>(kRowTile, m_size - m);
       TileFn<T> tile = whole ? TileFor<T, kPanel>(rows) : TileFor<T, 1>(rows);
-      Ahead ahead{next_whole ? reinterpret_cast<const char*>(next) : nullptr,
+      Ahead ahead{next_whole ? reinterpret_cast<const char*>(
+                                   w + (n + kPanel) * k_size)
+                             : nullptr,
                   int64_t(kPanel * k_size * sizeof(T)), t, tiles};
       tile(x + m * k_size, k_size, w + n * k_size, k_size, y + m * n_size + n,
            n_size, ahead);
@@ -315,6 +325,10 @@ ffi::Error SmallRowMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     return ffi::Error::InvalidArgument(
         "small_row_matmul takes x and w in one dtype");
   int64_t m = x_dims[0], k = x_dims[1], n = w_dims[0];
+  auto y_dims = y->dimensions();
+  if (y_dims.size() != 2 || y_dims[0] != m || y_dims[1] != n)
+    return ffi::Error::InvalidArgument(
+        "small_row_matmul returns y [M, N]");
   switch (w.element_type()) {
     case ffi::F32:
       Run(pool, x.typed_data<float>(), w.typed_data<float>(), y->typed_data(),
@@ -342,9 +356,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallRowMatmul, SmallRowMatmulImpl,
 
 // What the compiler targeted, for the log line and the results files.
 extern "C" const char* SmallRowMatmulIsa() {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(SPEC_JAX_HAS_DP)
   return "avx512+bf16";
-#elif defined(__AVX512F__) && defined(__AVX512BW__)
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   return "avx512";
 #elif defined(__AVX2__) && defined(__FMA__)
   return "avx2+fma";

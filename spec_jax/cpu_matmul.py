@@ -1,13 +1,13 @@
 """A small-row matmul kernel for XLA:CPU (cpu_matmul.cc), called through FFI.
 
-XLA:CPU's dots of 2-16 rows read the weights at a third of the bandwidth a
-one-row product reaches, so a verify of a few tokens cost about two decode
-steps; a one-row product with bfloat16 weights converted a float32 copy of the
-whole kernel. The kernel reads each weight byte once per call for up to
-`MAX_ROWS` rows, in float32 or bfloat16, and computes each output row in an
-order that does not depend on the other rows: a decode step and a verify give
-the same logits bit for bit, so greedy speculative decoding equals greedy
-decoding in bfloat16 too.
+XLA:CPU's dots of 2-16 rows take 1.7-3x the time of its one-row product over
+the same weights, and a one-row product with bfloat16 weights converts a
+float32 copy of the whole kernel. The kernel reads each weight byte once per
+call for up to `MAX_ROWS` rows, in float32 or bfloat16, and computes each
+output row in an order that does not depend on the other rows, so a row's
+product is bitwise the same in a decode step and in a verify (for the whole
+model's logits, see docs/step_benchmark.md: learned positions yes, rotary
+positions not yet).
 
 `model.matmul` calls it on the CPU backend of a one-device process for products
 of at most `MAX_ROWS` rows; everything else (more rows, a mesh of several
@@ -38,12 +38,14 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-# The most rows the kernel takes. XLA's own dot is slower up to at least this
-# many on the machine these numbers come from (docs/step_benchmark.md).
+# The most rows the kernel takes: with bfloat16 weights XLA's dot catches up
+# at 16-24 rows, in float32 later (`matmul_crossover` in
+# docs/step_benchmark.md).
 MAX_ROWS = 16
 ENV_VAR = "SPEC_JAX_CPU_KERNEL"
 _SOURCE = pathlib.Path(__file__).with_suffix(".cc")
 _TARGET = "spec_jax_small_row_matmul"
+# -w: XLA's FFI headers warn under gcc; a failed build logs its errors.
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 _log = logging.getLogger(__name__)
 # Set by `disabled()`.
@@ -101,10 +103,15 @@ def _library() -> ctypes.CDLL | None:
       _log.warning("Building the small-row CPU kernel failed, XLA's dot runs "
                    "(%s=0 silences this): %s", ENV_VAR, detail[-2000:])
       return None
-  library = ctypes.cdll.LoadLibrary(str(path))
-  library.SmallRowMatmulIsa.restype = ctypes.c_char_p
-  jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.SmallRowMatmul),
-                              platform="cpu")
+  try:
+    library = ctypes.cdll.LoadLibrary(str(path))
+    library.SmallRowMatmulIsa.restype = ctypes.c_char_p
+    jax.ffi.register_ffi_target(
+        _TARGET, jax.ffi.pycapsule(library.SmallRowMatmul), platform="cpu")
+  except (OSError, AttributeError) as error:  # a corrupt or foreign file
+    _log.warning("Loading the small-row CPU kernel %s failed, XLA's dot runs "
+                 "(delete the file to rebuild it): %s", path, error)
+    return None
   return library
 
 
@@ -139,16 +146,18 @@ def disabled():
   """XLA's dot for every product traced inside: the kernel-off side of a
   side-by-side benchmark in one process.
 
-  The choice is made at trace time, so JAX's compilation caches are cleared
-  on entry and on exit: no program traced on one side runs on the other.
+  The choice is made at trace time, so every JAX compilation cache in the
+  process is cleared on entry and on exit: no program traced on one side runs
+  on the other.
   """
   global _disabled
+  before = _disabled
   jax.clear_caches()
   _disabled = True
   try:
     yield
   finally:
-    _disabled = False
+    _disabled = before
     jax.clear_caches()
 
 
@@ -160,8 +169,11 @@ def small_row_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
     raise RuntimeError(f"The small-row CPU kernel is not available (off by "
                        f"{ENV_VAR}=0, or not built: see the log); check "
                        "cpu_matmul.applies before calling it.")
+  if x.ndim != 2 or kernel.ndim != 2 or x.shape[1] != kernel.shape[1]:
+    raise ValueError(f"small_row_matmul takes x [M, K] and kernel [N, K]; got "
+                     f"{x.shape} and {kernel.shape}.")
   out = jax.ShapeDtypeStruct((x.shape[0], kernel.shape[0]), jnp.float32)
-  return jax.ffi.ffi_call(_TARGET, out)(x, kernel)
+  return jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(x, kernel)
 
 
 # The kernel has no derivative of its own; gradients (rarely of so few rows)

@@ -203,12 +203,6 @@ def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
   its dtype, and the products are summed in float32 (`preferred_element_type`),
   so XLA reads the stored kernel as it is, half the bytes of float32.
 
-  On CPU a product of one row is computed as two (the row and a zero row):
-  XLA:CPU reads a bfloat16 kernel directly only in products of 2 or more
-  rows, and converts a float32 copy of the whole kernel for a single row.
-  Measured over SmolLM2's matrices: 151 ms for one row, 12 ms for two
-  (float32's one-row product: 13.5 ms).
-
   The trade: such a model is not the float32 model. Its weights are rounded
   to bfloat16 and so are the inputs of each matmul; everything else (the
   residual stream, norms, attention scores, softmax and the logits) stays in
@@ -229,7 +223,14 @@ def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
 
 
 def xla_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
-  """`matmul` as XLA's dot computes it, without the small-row kernel."""
+  """`matmul` as XLA's dot computes it, without the small-row kernel.
+
+  On CPU a bfloat16-weight product of one row is computed as two (the row
+  and a zero row): XLA:CPU reads a bfloat16 kernel directly only in products
+  of 2 or more rows, and converts a float32 copy of the whole kernel for a
+  single row. Measured over SmolLM2's matrices: 151 ms for one row, 12 ms for
+  two (float32's one-row product: 13.5 ms).
+  """
   if kernel.dtype == x.dtype:
     return jnp.einsum("...d,fd->...f", x, kernel)
   product = lambda x: jnp.einsum("...d,fd->...f", x.astype(kernel.dtype),
@@ -450,7 +451,9 @@ def _attend(cfg: TransformerConfig, q, keys, values, visible) -> jax.Array:
   that would make a verify's logits differ from the steps' in the last bits.
   """
   batch, length = q.shape[:2]
-  if length > 1 and cpu_matmul.serves(batch * length):
+  if (length > 1 and cpu_matmul.serves(batch * length)
+      and cfg.dtype == "float32"
+      and cfg.weight_dtype in (None, "float32", "bfloat16")):
     one = lambda qv: _attend(cfg, qv[0][:, None], keys, values, qv[1][:, None])
     rows = jax.lax.map(one, (q.swapaxes(0, 1), visible.swapaxes(0, 1)))
     return rows[:, :, 0].swapaxes(0, 1)  # [T, B, 1, H * Dh] -> [B, T, ...]

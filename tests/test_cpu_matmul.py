@@ -170,3 +170,21 @@ def test_without_a_compiler_one_warning_and_the_xla_path(tmp_path):
   assert "applies False" in out
   assert out.count("small-row CPU kernel") == 1, out
   assert not list(tmp_path.glob("spec_jax/*.so"))
+
+
+@pytest.mark.slow  # four builds of the kernel, 4-5 s each
+@pytest.mark.parametrize("march", ["native", "x86-64-v3",
+                                   "x86-64-v4 -mno-avx512bf16", "x86-64"])
+def test_every_instruction_set_variant_computes_the_same_product(tmp_path,
+                                                                 march):
+  """The AVX2, AVX-512 without bf16 and scalar variants, which this machine
+  would not pick, against a float64 product and bitwise row by row."""
+  binary = tmp_path / "isa_check"
+  subprocess.run(["c++", "-O2", *f"-march={march}".split(), "-std=c++17", "-w",
+                  f"-I{jax.ffi.include_dir()}",
+                  str(REPO / "tests" / "cpu_matmul_isa_check.cc"),
+                  "-o", str(binary)], check=True, timeout=300)
+  done = subprocess.run([str(binary)], capture_output=True, text=True,
+                        timeout=300)
+  assert done.returncode == 0, done.stdout
+  assert done.stdout.count(": ok") == 6, done.stdout

@@ -48,10 +48,10 @@ def _one_row_product(x):
   return cpu_matmul.small_row_matmul(jnp.ones((1, x.shape[1]), x.dtype), x)
 
 
-def read_bandwidth(rounds: int) -> float:
-  """Bytes per second of the faster of two reads of a 1 GiB float32 array:
-  a jitted sum, and (where it runs) the small-row kernel's one-row product,
-  which reads memory faster than XLA's reduction does."""
+def read_bandwidth(rounds: int) -> dict:
+  """{read: bytes per second} over a 1 GiB float32 array: a jitted sum, and
+  (where it runs) the small-row kernel's one-row product; the roofline takes
+  the faster."""
   data = jnp.ones((GIB // 4 // 1024, 1024), jnp.float32)
   reads = {"sum": _sum}
   if cpu_matmul.isa() is not None and jax.default_backend() == "cpu":
@@ -63,7 +63,7 @@ def read_bandwidth(rounds: int) -> float:
     best[name] = GIB / float(np.median(seconds))
   _log.info("read bandwidth: %s", {k: f"{v / 1e9:.1f} GB/s"
                                    for k, v in best.items()})
-  return max(best.values())
+  return best
 
 
 @jax.jit
@@ -181,7 +181,8 @@ def _measure(config, run_config, bandwidth: float) -> dict:
 
 def bench_step(config: ml_collections.ConfigDict) -> dict:
   """{"models": {name: row}} for every installed model of config.models."""
-  bandwidth = read_bandwidth(config.rounds)
+  reads = read_bandwidth(config.rounds)
+  bandwidth = max(reads.values())
   _log.info("read bandwidth %.1f GB/s", bandwidth / 1e9)
   models = {}
   for name, model_config in config.models.items():
@@ -195,7 +196,8 @@ def bench_step(config: ml_collections.ConfigDict) -> dict:
               "AR %.1f, SD %.1f tok/s", name, 1e3 * row["step_s"],
               row["step_over_roofline"], row["verify_cost_ratio"],
               row["ar_tokens_per_s"], row["sd_tokens_per_s"])
-  return {"models": models, "cpu_kernel": cpu_matmul.isa()}
+  return {"models": models, "cpu_kernel": cpu_matmul.isa(),
+          "bandwidth_reads_gb_s": {k: v / 1e9 for k, v in reads.items()}}
 
 
 def format_table(report: dict) -> str:

@@ -8,9 +8,10 @@ precision. On each prompt, greedy, each tool runs AR and prompt lookup at each
 number of drafts, taking turns prompt by prompt (llama.cpp, then spec_jax's
 batch-1 AR and SD); each tool's output is checked against its own AR.
 
-llama.cpp's prompt lookup (`LlamaPromptLookupDecoding`) proposes the
-continuation of the latest earlier match of up to `max_ngram_size` tokens;
-spec_jax's proposes after matches of `ngram.min_n`-`ngram.max_n` tokens.
+Both prompt-lookup drafters propose the continuation of the longest match
+of the context's last `ngram.max_n` down to 1 tokens (spec_jax: down to
+`ngram.min_n`); llama-cpp-python's `LlamaPromptLookupDecoding` takes the
+earliest occurrence of that match, spec_jax the latest.
 """
 
 import logging
@@ -46,7 +47,11 @@ def dequantized_gguf(source: str, path: pathlib.Path, weight_type: str):
   partial = path.with_name(path.name + ".partial")
   writer = gguf.GGUFWriter(str(partial), arch)
   for name, field in reader.fields.items():
-    if name.startswith("GGUF.") or name == "general.architecture":
+    # The writer sets these itself; general.file_type would still name the
+    # source's quantization.
+    if name.startswith("GGUF.") or name in ("general.architecture",
+                                            "general.alignment",
+                                            "general.file_type"):
       continue
     vtype = field.types[0]
     sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
@@ -186,8 +191,8 @@ def compare_llamacpp(config: ml_collections.ConfigDict,
     # Each tool at its own precision: equal greedy outputs are likely, not
     # required.
     row["ar_equal_across_tools"] = sum(
-        theirs == ours for (theirs, _), (ours, _) in zip(
-            runs["llama_cpp"]["ar"], runs["spec_jax"]["ar"]))
+        a == b for (a, _), (b, _) in zip(runs["llama_cpp"]["ar"],
+                                         runs["spec_jax"]["ar"]))
     row["categories"] = prompts.categories
     report["weights"][weight_type] = row
   return report
