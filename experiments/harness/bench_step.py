@@ -54,7 +54,7 @@ def read_bandwidth(rounds: int) -> dict:
   the faster."""
   data = jnp.ones((GIB // 4 // 1024, 1024), jnp.float32)
   reads = {"sum": _sum}
-  if cpu_matmul.isa() is not None and jax.default_backend() == "cpu":
+  if cpu_matmul.serves(1):
     reads["kernel"] = _one_row_product
   best = {}
   for name, read in reads.items():
@@ -164,8 +164,8 @@ def _measure(config, run_config, bandwidth: float) -> dict:
       "sd_tokens_per_s": run["sd"]["tokens_per_s"],
       "sd_tokens_per_cycle": run["sd"]["tokens_per_cycle"],
       "sd_width_cycles": run["sd"]["width_cycles"]}
-  if (config.crossover_rows and run_config.get("cpu_kernel", True)
-      and cpu_matmul.isa() is not None and jax.default_backend() == "cpu"):
+  # Not under cpu_matmul.disabled() (a cpu_kernel: False row): serves says no.
+  if config.crossover_rows and cpu_matmul.serves(1):
     row["matmul_crossover"] = matmul_crossover(
         target.params, config.crossover_rows, config.rounds)
   for batch_size, times in per_batch.items():
