@@ -6,7 +6,7 @@ Each variant is the main job's config (configs/quickstart.py) with a few
 fields overridden, run on the same held-out prompts at every temperature.
 Writes drafters.json and drafters.png. `eagle` runs one variant of each kind
 of drafter (--config=configs/compare_drafters.py:eagle). `smollm2` compares prompt lookup,
-layer skip and the EAGLE head on SmolLM2-135M-Instruct's chat prompts
+layer skip and the EAGLE-3 head on SmolLM2-135M-Instruct's chat prompts
 (--config=configs/compare_drafters.py:smollm2). Smoke run:
 --config=configs/compare_drafters.py:runlocal
 """
@@ -29,7 +29,7 @@ def get_config(arg=None):
       "draft model, edit input": dict(drafter="model", gamma=8,
                                       repeat_prompts=True, prompt_tokens=160),
   }
-  variants["EAGLE head, gamma 6"] = dict(drafter="eagle", gamma=6)
+  variants["EAGLE-3 head, gamma 6"] = dict(drafter="eagle3", gamma=6)
   for k in (1, 2, 3, 4, 5):
     variants[f"layer skip, {k} of 6 layers"] = dict(
         drafter="layer_skip", gamma=4, layer_skip=dict(num_layers=k))
@@ -38,11 +38,11 @@ def get_config(arg=None):
   # median time counts.
   config.timing_repeats = 3
   if arg == "eagle":
-    # The EAGLE head against the other kinds of drafter, one variant each.
+    # The EAGLE-3 head against the other kinds of drafter, one variant each.
     config.variants = {
         name: variants[name] for name in (
             "draft model, gamma 8", "prompt lookup",
-            "layer skip, 1 of 6 layers", "EAGLE head, gamma 6")}
+            "layer skip, 1 of 6 layers", "EAGLE-3 head, gamma 6")}
   elif arg == "smollm2":
     # SmolLM2-135M-Instruct on two chat prompts per category (no draft model
     # shares its vocabulary offline).
@@ -54,7 +54,7 @@ def get_config(arg=None):
         "prompt lookup, gamma 4": dict(drafter="ngram", gamma=4),
         "layer skip, 24 of 30 layers": dict(
             drafter="layer_skip", gamma=4, layer_skip=dict(num_layers=24)),
-        "EAGLE head, gamma 5": dict(drafter="eagle", gamma=5,
+        "EAGLE-3 head, gamma 5": dict(drafter="eagle3", gamma=5,
                                     eagle="/tmp/eagle/smollm2/head"),
     }
   elif arg == "runlocal":
@@ -64,7 +64,7 @@ def get_config(arg=None):
         "layer_skip": dict(drafter="layer_skip", gamma=2,
                            layer_skip=dict(num_layers=1),
                            confidence_threshold=0.2),
-        "eagle": dict(drafter="eagle", gamma=2, eagle="pretrained/eagle"),
+        "eagle": dict(drafter="eagle3", gamma=2, eagle="pretrained/eagle"),
     }
     config.num_prompts = 2
     config.max_new_tokens = 8

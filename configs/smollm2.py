@@ -6,7 +6,7 @@ prompts in seven task categories, prompt lookup as the drafter.
 
 Prints a table per category (speedup, alpha, acceptance, tau) and writes
 results.json (with per-category stats and compile seconds) and
-categories.png. `eagle` drafts with an EAGLE head for SmolLM2, the one
+categories.png. `eagle` drafts with an EAGLE-3 head for SmolLM2, the one
 configs/train_eagle.py:smollm2 trains with --workdir=/tmp/eagle/smollm2
 (none ships; see docs/eagle.md):
 --config=configs/smollm2.py:eagle. `gemma3` runs Gemma 3 270M
@@ -45,7 +45,7 @@ def get_config(arg=None):
   config.num_prompts = 8  # per category
   config.max_new_tokens = 64
   if arg == "eagle":
-    config.drafter = "eagle"
+    config.drafter = "eagle3"
     config.eagle = "/tmp/eagle/smollm2/head"
     config.gamma = 5
     config.temperatures = (0.0, 1.0)

@@ -1,4 +1,4 @@
-"""Training an EAGLE head (spec_jax/eagle.py) for a target.
+"""Training an EAGLE-3 head (spec_jax/eagle.py) for a target.
 
 The built-in target, on its own greedy continuations of the corpus (about
 20 minutes on 2 CPU cores):
@@ -12,7 +12,8 @@ itself and to code requests made from the corpus (self-distillation; about
   python -m experiments.train_eagle --config=configs/train_eagle.py:smollm2 --workdir=/tmp/eagle/smollm2
 
 Interrupt either and run the same command again: it resumes. Use the head
-with `--config.drafter=eagle --config.eagle=WORKDIR/head`.
+with `--config.drafter=eagle3 --config.eagle=WORKDIR/head`; WORKDIR/head
+is in SpecForge's layout, which vLLM, SGLang and SpecForge load too.
 `runlocal` is a seconds-long smoke run on the built-in target.
 """
 
@@ -45,8 +46,9 @@ def get_config(arg="builtin"):
   config.request_tokens = 64
   # The head: the inputs of these target blocks, fused (index L is the last
   # block's output); () is EAGLE-3's (2, L // 2, L - 3). reduced_vocab K > 0
-  # predicts over the K tokens most often the target's argmax; 0 uses the
-  # target's output layer.
+  # drafts over the K tokens most often the target's argmax (the published
+  # draft_vocab_size, d2t and t2d); 0 over the whole vocabulary. Either way
+  # the head's lm_head starts as the target's output rows.
   config.feature_layers = (2, 4, 6)  # low, middle, last of the 6 blocks
   config.reduced_vocab = 0
   # The target's law is stored truncated to its top_k logits.

@@ -4,7 +4,9 @@
 
 Writes trees.json, trees.csv and trees.png into the workdir. Overrides read
 naturally, e.g. --config.chains=4,8 --config.trees="(2,1,1,1),(4,1)"
---config.temperatures=0. `runlocal` is a smoke run:
+--config.temperatures=0. `eagle3` drafts every shape with the built-in
+target's EAGLE-3 head instead of the draft model:
+--config=configs/tree_ablation.py:eagle3. `runlocal` is a smoke run:
 --config=configs/tree_ablation.py:runlocal
 """
 
@@ -25,7 +27,13 @@ def get_config(arg=None):
   config.num_prompts = 4
   config.timing_repeats = 1
   del config["gamma"]  # set per row from chains; a tree's template fixes it
-  if arg == "runlocal":
+  if arg == "eagle3":
+    # The head's chain at gamma 6 (its best on the drafter comparison) and
+    # two trees of depth 4, each verifying 8 and 21 nodes.
+    config.drafter = "eagle3"
+    config.chains = (6,)
+    config.trees = ((2, 1, 1, 1), (3, 2, 1, 1))
+  elif arg == "runlocal":
     config.chains = (2,)
     config.trees = ((2, 1),)
     config.num_prompts = 2

@@ -27,8 +27,10 @@ from spec_jax.draft_tree import TreeTemplate
 from spec_jax.drafters import (LayerSkipDrafter, ModelDrafter, NgramDrafter,
                                TreeDrafter, prompt_lookup)
 from spec_jax.drafting import Drafter, Proposal, VerifyOutput, propose
+from spec_jax.eagle import EagleConfig, EagleDrafter
 from spec_jax.io.bundle import ModelBundle
 from spec_jax.io.checkpoint import load_model, save_model
+from spec_jax.io.eagle3 import load_eagle3, save_eagle3
 from spec_jax.io.gguf import load_gguf
 from spec_jax.io.hf import load_hf, save_hf
 from spec_jax.kv_cache import KVCache
@@ -42,13 +44,15 @@ from spec_jax.verification import verify
 
 __all__ = [
     "PAD_ID", "Cycle", "DecodeConfig", "DecodeResult", "DecodeStats",
-    "Drafter", "KVCache", "LayerSkipDrafter", "Model", "ModelBundle",
+    "Drafter", "EagleConfig", "EagleDrafter", "KVCache", "LayerSkipDrafter", "Model", "ModelBundle",
     "ModelDrafter", "NgramDrafter", "Proposal", "RopeScaling", "Sampling",
     "Transformer", "TransformerConfig", "TreeDrafter", "TreeTemplate",
     "VerifyOutput", "acceptance_probs", "correction_probs", "generate",
-    "generate_autoregressive", "io", "load_gguf", "load_hf", "load_model",
+    "generate_autoregressive", "io", "load_eagle3", "load_gguf", "load_hf",
+    "load_model",
     "overlap", "pad_prompts", "prompt_lookup", "propose", "resample",
-    "resample_block", "resample_tree", "rules", "save_hf", "save_model",
+    "resample_block", "resample_tree", "rules", "save_eagle3", "save_hf",
+    "save_model",
     "score", "sharding", "speculative_cycle", "theory", "verification",
     "verify", "verify_and_resample",
 ]

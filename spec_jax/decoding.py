@@ -222,9 +222,15 @@ def _resample_tree(key, target, drafter, proposal, tokens, lengths,
   # A tree is verified whole: counted as the widest pass.
   width = jnp.int32(len(_verify_widths(drafter, config)) - 1)
   # Node j sits at slot lengths + j in both caches (the last token at
-  # lengths - 1); the path moves to lengths, lengths + 1, ...
+  # lengths - 1); the path moves to lengths, lengths + 1, ... The hidden
+  # states move with it, so `drafter.update` reads them as a chain's.
   with jax.named_scope("compact"):
-    return Cycle(new_tokens, num_accepted, proposal, verified, width, path,
+    on_path = jnp.concatenate([jnp.zeros_like(path[:, :1]), path + 1],
+                              1)  # [B, D+1]
+    hidden = tuple(jnp.take_along_axis(h, on_path[..., None], 1)
+                   for h in verified.hidden)
+    return Cycle(new_tokens, num_accepted, proposal,
+                 verified.replace(hidden=hidden), width, path,
                  verified.cache.compact(lengths, path),
                  drafter.compact(proposal.state, lengths, path))
 
@@ -277,11 +283,14 @@ def _count(stats: DecodeStats, cycle: Cycle, active) -> DecodeStats:
   """The cycle's counts added to the run's."""
   proposal = cycle.proposal
   overlap = rules.overlap(proposal.probs, cycle.verified.probs)
+  point_mass = rules.point_mass_acceptance(proposal.probs,
+                                           cycle.verified.probs)
   if cycle.path is None:
     stats = stats.record_cycle(
         active=active,
         proposed=rules.draft_token_probs(proposal.tokens, proposal.probs) > 0,
-        num_accepted=cycle.num_accepted, overlap=overlap)
+        num_accepted=cycle.num_accepted, overlap=overlap,
+        point_mass=point_mass)
   else:
     # Contexts on the accepted path: the root (0) and node path[i] (i + 1).
     context = jnp.arange(proposal.probs.shape[1])
@@ -290,7 +299,8 @@ def _count(stats: DecodeStats, cycle: Cycle, active) -> DecodeStats:
     stats = stats.record(
         active=active, drafted=proposal.parents != rules.UNUSED,
         verified=on_path & (proposal.probs.sum(-1) > 0),
-        num_accepted=cycle.num_accepted, overlap=overlap)
+        num_accepted=cycle.num_accepted, overlap=overlap,
+        point_mass=point_mass)
   return stats.count_width(cycle.width)
 
 

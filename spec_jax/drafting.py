@@ -90,7 +90,9 @@ class VerifyOutput:
   probs: [B, N+1, V] float32 target laws p_1..p_{N+1}.
   cache: the target's cache, written for the N+1 tokens.
   hidden: the inputs of the blocks a drafter asked for (`target_layers`),
-    each [B, N+1, D], at the same positions.
+    each [B, N+1, D], at the same positions; for a tree, once the loop has
+    accepted a path, [B, D+1, D]: the last token's, then the path's nodes'
+    (-1 past its end reads the last token's), as a chain's.
   """
 
   probs: jax.Array

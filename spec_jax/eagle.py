@@ -1,49 +1,64 @@
-"""EAGLE draft heads: one block that drafts from the target's own features.
+"""EAGLE-3 draft heads (Li et al. 2025, arXiv 2503.01840), as published.
 
-EAGLE (Li et al. 2024, arXiv 2401.15077) drafts from the target's hidden
-states instead of from tokens alone; EAGLE-3 (arXiv 2503.01840) fuses the
-states of a low, a middle and a high layer and predicts over a reduced
-vocabulary. The head here is EAGLE-3's; one feature layer, the last, is
-EAGLE-1. At head position t, with f_t the target's fused features at t:
+The head is one decoder layer that drafts from the target's own features:
+the hidden states entering three of its blocks (low, middle, high), fused.
+Head position t holds the pair (f_t, x_{t+1}): the target's features at its
+position t and the token the target emitted after it, as SpecForge trains
+and vLLM runs it. With h_t the head's hidden input there:
 
-  in_t = proj([norm(embed(x_t)), norm(f_{t-1})])     f_{-1} = 0
-  a_t  = Block(in, causal over the head's own KV cache)      [D]
-  q_t  = softmax(output(norm(a_t)))      the law of x_{t+1}
+  h_t   = fc([f_t^low, f_t^mid, f_t^high])   from the target, [H]
+        = a_{t-1}                            a draft step: the head's own
+                                             pre-norm output at t - 1
+  r     = h_t                   (hidden_norm(h_t) if norm_before_residual)
+  x     = [input_layernorm(embed(x_{t+1})), hidden_norm(h_t)]       [2H]
+  a     = r + o_proj(attention(q, k, v of x; the head's causal KV cache))
+  a_t   = a + down(silu(gate(n)) * up(n)),  n = post_attention_layernorm(a)
+  q_t+2 = softmax(lm_head(norm(a_t)))   over the draft vocabulary
 
-where `output` is the target's own output layer, or the head's over the K
-most frequent tokens, scattered into the full vocabulary with q = 0 outside
-them (every token the head can draft has q > 0 where it was drawn, which is
-all `resample` needs to stay exact). Drafting past the last token whose
-features the target computed, the head feeds its own a_t as f_t: that is
-how it drafts gamma tokens with no target pass.
+Attention uses the head's own rotary settings (theta 10,000 when its config
+has none), not the target's. The draft vocabulary (K tokens, `vocab_ids`
+ascending: the published d2t is vocab_ids - arange(K)) is scattered into the
+target's with -inf elsewhere: q is 0 off it, every token the head can draft
+has q > 0 where it was drawn, and that is all `resample` needs to stay
+exact. The embedding is the head's own `embed_tokens` when it has one, else
+the target's table, raw (without the scale a Gemma target applies).
 
-The head keeps, per row, a KV cache (one layer) and the fused features by
-position. Its pointer H counts the positions whose keys were computed from
-the target's features. Each cycle:
+The head keeps, per row, a one-layer KV cache and the fused features by
+position; its pointer H counts the pairs whose keys came from the target's
+features. A row of L tokens has target features for positions 0..L - 2, so
+its last pair is r = L - 2, whose output is the first draft's law. Each
+cycle:
 
-  propose  runs positions H .. H + gamma in one call (the tokens emitted
-           last cycle, with the features its verify computed), reads the
-           first draft's law at the row's last position L - 1, then drafts
-           gamma - 1 more on its own features; the pointer moves to L;
-  update   writes the verify's features of positions L - 1 .. L - 1 + gamma
-           (only those of accepted tokens are ever read).
+  propose  runs pairs H .. H + gamma in one call (those the last verify
+           completed), reads the first draft at r, then drafts on its own
+           outputs at r + 1, r + 2, ... (a chain, or a tree's depths under
+           the tree mask); the pointer moves to L - 1, so that everything
+           from there on, guesses included, is rewritten next cycle;
+  update   writes the verify's features of positions L - 1 .. (those of
+           accepted tokens are the ones read next cycle).
+A one-token row (L = 1) has no pair yet: its first drafts come from
+(0, x_0) at position 0, which the first real pair overwrites.
+
+`greedy_drafts` runs the same computation outside the loop, for checking a
+ported head against a reference.
 """
 
 import dataclasses
-import json
-import pathlib
+import functools
 
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from spec_jax.draft_tree import TreeTemplate, draw_children
 from spec_jax.drafting import DraftLoop, Proposal, check_vocabulary
-from spec_jax.io import files
-from spec_jax.kv_cache import KVCache, init_cache
-from spec_jax.model import (Block, Linear, Model, TransformerConfig, _norm,
-                            visible_slots)
+from spec_jax.kv_cache import KVCache, init_cache, write
+from spec_jax.model import (Embed, Linear, Model, RopeScaling,
+                            TransformerConfig, _attend, _split_qkv,
+                            apply_rope, rope_frequencies, visible_slots)
+from spec_jax.rules.tree import UNUSED
+from spec_jax.sampling import Sampling
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -55,123 +70,175 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EagleConfig:
-  """Static settings of a head.
+  """Static settings of a head; the fields of a published config.json.
 
-  block: the head's one block, of the target's type; always rotary, since
-    the target's learned position table is not part of the head.
-  feature_layers: the target blocks whose inputs are fused (index
-    num_layers is the last block's output, EAGLE-1's feature).
-  reduced_vocab: K > 0 predicts over K tokens with its own output layer;
-    0 uses the target's output layer over the full vocabulary.
-  target_vocab_size: the vocabulary the head drafts in.
+  feature_layers: the target blocks whose inputs are fused, in order (index
+    L is the last block's output); config.json's
+    eagle_aux_hidden_state_layer_ids are block outputs, each one less.
+  vocab_size: the target's vocabulary; draft_vocab_size K <= it.
+  target_hidden_size: the target's d_model (fc reads
+    len(feature_layers) * target_hidden_size).
+  norm_before_residual: the residual is hidden_norm(h) (speculators').
+  own_embedding: the head has embed_tokens; else it reads the target's.
   """
 
-  block: TransformerConfig
+  hidden_size: int
+  intermediate_size: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  vocab_size: int
+  draft_vocab_size: int
+  target_hidden_size: int
   feature_layers: tuple[int, ...]
-  reduced_vocab: int = 0
-  target_vocab_size: int
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 10_000.0
+  rope_scaling: RopeScaling | None = None
+  norm_before_residual: bool = False
+  own_embedding: bool = False
+  dtype: str = "float32"
 
   def __post_init__(self):
-    if isinstance(self.block, dict):
-      object.__setattr__(self, "block", TransformerConfig(**self.block))
+    if isinstance(self.rope_scaling, dict):
+      object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
     object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
     if not self.feature_layers:
       raise ValueError("an EAGLE head needs at least one feature layer.")
-    if not 0 <= self.reduced_vocab <= self.target_vocab_size:
-      raise ValueError(f"reduced_vocab={self.reduced_vocab}: use 0 (the "
-                       f"full vocabulary) up to {self.target_vocab_size}.")
+    if not 1 <= self.draft_vocab_size <= self.vocab_size:
+      raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: use 1 up "
+                       f"to the vocabulary's {self.vocab_size} tokens.")
+    if not self.own_embedding and self.hidden_size != self.target_hidden_size:
+      raise ValueError(
+          f"a head of hidden_size {self.hidden_size} cannot read the "
+          f"target's {self.target_hidden_size}-wide embedding table; it "
+          "needs its own embed_tokens.")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
+          f"{self.num_kv_heads}; each key/value head serves a whole group.")
+    if self.head_dim % 2:
+      raise ValueError(f"rotary positions need an even head_dim, got "
+                       f"{self.head_dim}.")
+
+  @property
+  def attention(self) -> TransformerConfig:
+    """The head's attention as a one-layer Llama config: its rotary
+    frequencies, head split and cache shape."""
+    return TransformerConfig(
+        vocab_size=self.vocab_size, d_model=self.hidden_size, num_layers=1,
+        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+        head_dim=self.head_dim, d_ff=self.intermediate_size, dtype=self.dtype,
+        norm="rms", norm_eps=self.rms_norm_eps, position="rope",
+        rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+        mlp="swiglu", qkv_bias=False, bias=False)
 
   @classmethod
   def for_target(cls, target: TransformerConfig,
                  feature_layers: tuple[int, ...] | None = None,
-                 reduced_vocab: int = 0) -> "EagleConfig":
-    block = dataclasses.replace(
-        target, num_layers=1, position="rope", rope_scaling=None,
-        sliding_window=None, layer_types=None, qkv_head_major=False,
-        weight_dtype=None)
+                 draft_vocab_size: int | None = None) -> "EagleConfig":
+    """A head of the target's width, heads and MLP size (SpecForge's
+    default for a new head)."""
     if feature_layers is None:
       feature_layers = default_feature_layers(target.num_layers)
-    return cls(block=block, feature_layers=tuple(feature_layers),
-               reduced_vocab=reduced_vocab,
-               target_vocab_size=target.vocab_size)
-
-  def to_json(self) -> str:
-    return json.dumps(dataclasses.asdict(self), indent=2)
+    return cls(hidden_size=target.d_model, intermediate_size=target.d_ff,
+               num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+               head_dim=target.head_dim, vocab_size=target.vocab_size,
+               draft_vocab_size=draft_vocab_size or target.vocab_size,
+               target_hidden_size=target.d_model,
+               feature_layers=tuple(feature_layers), dtype=target.dtype)
 
 
 class EagleHead(nn.Module):
-  """The head's parameters and its three computations (see the module
-  docstring): `fuse`, `__call__` (one block over a run of positions) and
-  `reduced_logits`."""
+  """The head's parameters, named as the published tensors (q/k/v and
+  gate/up fused, one matmul each), and its computations (module docstring):
+  `fuse`, `embed`, `__call__` (the layer over a run of pairs) and
+  `draft_logits`."""
 
   config: EagleConfig
 
   def setup(self):
-    block = self.config.block
-    self.fuse_proj = Linear(block.d_model, block.dtype, use_bias=False)
-    # Normed apart before they are joined (EAGLE-3's input and hidden norms):
-    # the residual stream's scale is tens to hundreds of times a token
-    # embedding's, which would otherwise drown the token.
-    self.embed_norm = _norm(block, None)
-    self.feature_norm = _norm(block, None)
-    self.input_proj = Linear(block.d_model, block.dtype, use_bias=False)
-    self.block = Block(block)
-    self.norm = _norm(block, None)
-    if self.config.reduced_vocab:
-      self.output = Linear(self.config.reduced_vocab, block.dtype,
-                           use_bias=False)
+    c = self.config
+    rms = lambda: nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=c.dtype,
+                             param_dtype=c.dtype)
+    linear = lambda features: Linear(features, c.dtype, use_bias=False)
+    self.fc = linear(c.hidden_size)
+    if c.own_embedding:
+      self.embed_tokens = Embed(c.vocab_size, c.hidden_size, c.dtype)
+    self.input_layernorm, self.hidden_norm = rms(), rms()
+    self.qkv = linear((c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+    self.o_proj = linear(c.hidden_size)
+    self.post_attention_layernorm = rms()
+    self.mlp_in = linear(2 * c.intermediate_size)  # gate, then up
+    self.down_proj = linear(c.hidden_size)
+    self.norm = rms()
+    self.lm_head = linear(c.draft_vocab_size)
 
-  def fuse(self, hidden: tuple[jax.Array, ...]) -> jax.Array:
-    """[B, T, D] fused features from the feature layers' [B, T, D] each."""
-    return self.fuse_proj(jnp.concatenate(hidden, axis=-1))
+  def fuse(self, features: tuple[jax.Array, ...]) -> jax.Array:
+    """[B, T, H] hidden inputs from the feature layers' [B, T, H_t] each."""
+    return self.fc(jnp.concatenate(features, axis=-1).astype(
+        self.config.dtype))
 
-  def __call__(self, embedded, features, positions, slots, visible, keys,
+  def embed(self, tokens: jax.Array, target_table: jax.Array) -> jax.Array:
+    """[B, T, H] rows of tokens [B, T]: the head's table, or the target's."""
+    if self.config.own_embedding:
+      return self.embed_tokens(tokens)
+    return jnp.take(target_table, tokens, axis=0).astype(self.config.dtype)
+
+  def __call__(self, embedded, hidden, positions, slots, visible, keys,
                values):
-    """embedded [B, T, D] (token x_t), features [B, T, D] (f_{t-1}),
-    positions and slots [B, T], visible [B, T, S], keys and values of the
-    head's cache [B, K, S, Dh]. Returns a [B, T, D], norm(a) and the
-    keys and values with these positions written."""
-    x = self.input_proj(jnp.concatenate(
-        [self.embed_norm(embedded), self.feature_norm(features)], axis=-1))
-    a, keys, values = self.block(x, positions, slots, visible, keys, values)
+    """embedded, hidden [B, T, H] (the pair's token and hidden input);
+    positions and slots [B, T]; visible [B, T, S]; keys and values of the
+    head's cache [B, K, S, Dh]. Returns the pre-norm output a [B, T, H],
+    norm(a), and the keys and values with these slots written."""
+    c, attention = self.config, self.config.attention
+    normed_hidden = self.hidden_norm(hidden)
+    residual = normed_hidden if c.norm_before_residual else hidden
+    x = jnp.concatenate([self.input_layernorm(embedded), normed_hidden], -1)
+    q, k, v = _split_qkv(attention, self.qkv(x))
+    inv_freq = rope_frequencies(attention)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions,
+                                                          inv_freq)
+    keys = write(keys, jnp.swapaxes(k, 1, 2), slots)
+    values = write(values, jnp.swapaxes(v, 1, 2), slots)
+    a = residual + self.o_proj(_attend(attention, q, keys, values, visible))
+    gate, up = jnp.split(self.mlp_in(self.post_attention_layernorm(a)), 2, -1)
+    a = a + self.down_proj(nn.silu(gate) * up)
     return a, self.norm(a), keys, values
 
-  def reduced_logits(self, normed: jax.Array) -> jax.Array:
-    """[..., K] logits over the reduced vocabulary."""
-    return self.output(normed).astype(jnp.float32)
+  def draft_logits(self, normed: jax.Array) -> jax.Array:
+    """[..., K] float32 logits over the draft vocabulary."""
+    return self.lm_head(normed).astype(jnp.float32)
 
-  def init_all(self, hidden, embedded, positions, keys, values):
+  def init_all(self, features, tokens, table, keys, values):
     """Touches every parameter (for `init`)."""
-    features = self.fuse(hidden)
-    visible = visible_slots(positions, keys.shape[2])
-    _, normed, _, _ = self(embedded, features, positions, positions, visible,
-                           keys, values)
-    return self.reduced_logits(normed) if self.config.reduced_vocab else normed
+    positions = jnp.zeros(tokens.shape, jnp.int32)
+    _, normed, _, _ = self(self.embed(tokens, table), self.fuse(features),
+                           positions, positions,
+                           visible_slots(positions, keys.shape[2]), keys,
+                           values)
+    return self.draft_logits(normed)
 
 
 def init_params(config: EagleConfig, key: jax.Array,
                 target: Model | None = None,
                 vocab_ids: jax.Array | None = None) -> dict:
-  """Random parameters; with `target`, the head's final norm and (reduced)
-  output layer start as the target's own (its rows at vocab_ids), as
-  EAGLE-3 does, so the head starts as "predict the target's last hidden
-  state" instead of learning an output layer from scratch: with little
-  data, that is most of what it can learn."""
-  block = config.block
-  hidden = tuple(jnp.zeros((1, 1, block.d_model), block.dtype)
-                 for _ in config.feature_layers)
-  cache = init_cache(block, 1, 1)
+  """Random parameters. With `target`, lm_head starts as the target's
+  output rows of the draft vocabulary (`vocab_ids`, None for all), so that
+  the head starts as "predict the target's last hidden state" instead of
+  learning an output layer from scratch: with little data, that is most of
+  what it can learn."""
+  features = tuple(jnp.zeros((1, 1, config.target_hidden_size), config.dtype)
+                   for _ in config.feature_layers)
+  cache = init_cache(config.attention, 1, 1)
+  table = jnp.zeros((config.vocab_size, config.hidden_size), config.dtype)
   params = EagleHead(config).init(
-      key, hidden, hidden[0], jnp.zeros((1, 1), jnp.int32), cache.keys[0],
+      key, features, jnp.zeros((1, 1), jnp.int32), table, cache.keys[0],
       cache.values[0], method=EagleHead.init_all)["params"]
   if target is None:
     return params
-  params = {**params, "norm": jax.tree.map(
-      lambda x: jnp.asarray(x, block.dtype), target.params["ln_final"])}
-  if config.reduced_vocab:
-    params["output"] = {"kernel": jnp.asarray(
-        target.output_kernel[vocab_ids], block.dtype)}
-  return params
+  rows = target.output_kernel if vocab_ids is None else (
+      target.output_kernel[vocab_ids])
+  return {**params, "lm_head": {"kernel": jnp.asarray(rows, config.dtype)}}
 
 
 @flax.struct.dataclass
@@ -179,32 +246,47 @@ class EagleState:
   """The head's per-row state between cycles.
 
   cache: its one layer's keys and values; `lengths` is the pointer H.
-  features: [B, S, D] fused target features by position, valid below the
-    target's own cache pointer.
+  features: [B, S, H] fused target features by position (fc applied),
+    valid below the target's own cache pointer.
   """
 
   cache: KVCache
   features: jax.Array
 
 
+def _tree_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+  """x [B, N, ...] gathered at index [B, M] along axis 1."""
+  index = index.reshape(index.shape + (1,) * (x.ndim - 2))
+  return jnp.take_along_axis(x, index, axis=1)
+
+
 @flax.struct.dataclass
 class EagleDrafter:
-  """An EAGLE head drafting for `target`, whose embedding and (with the
-  full vocabulary) output layer it shares.
+  """An EAGLE-3 head drafting for `target`, in chains of gamma or, with a
+  `template`, in trees of its shape (children drawn from q without
+  replacement, the head's cache under the tree mask).
 
-  vocab_ids: [K] int32 the tokens of the reduced vocabulary, or None.
+  vocab_ids: [K] int32 ascending, the target ids of the draft vocabulary;
+    None when it is the whole vocabulary.
   """
 
   target: Model
   params: dict
   config: EagleConfig = flax.struct.field(pytree_node=False)
   vocab_ids: jax.Array | None = None
+  template: TreeTemplate | None = flax.struct.field(pytree_node=False,
+                                                    default=None)
 
-  proposes_fewer = False  # always gamma drafts
+  proposes_fewer = False  # always gamma drafts, or the template's tree
+
+  def __post_init__(self):
+    if self.template is not None and not isinstance(self.template,
+                                                    TreeTemplate):
+      object.__setattr__(self, "template", TreeTemplate(self.template))
 
   @property
   def vocab_size(self) -> int:
-    return self.config.target_vocab_size
+    return self.config.vocab_size
 
   @property
   def target_layers(self) -> tuple[int, ...]:
@@ -214,24 +296,40 @@ class EagleDrafter:
   def num_params(self) -> int:
     return sum(x.size for x in jax.tree.leaves(self.params))
 
+  def with_tree(self, template) -> "EagleDrafter":
+    """The same head, proposing trees of `template`'s shape (None: chains)."""
+    return self.replace(template=template)
+
   def validate(self, target: Model, max_len: int) -> None:
     del max_len  # rotary positions: no table to outgrow
     check_vocabulary(self.vocab_size, target)
-    if target.config != self.target.config:
-      raise ValueError("the EAGLE head was built for another target model "
-                       "(their configs differ); load the head with the "
-                       "target it drafts for.")
+    if self.config.target_hidden_size != target.config.d_model:
+      raise ValueError(
+          f"the EAGLE head reads features {self.config.target_hidden_size} "
+          f"wide, but the target's d_model is {target.config.d_model}: load "
+          "the head with the target it was trained for.")
     if max(self.target_layers) > target.config.num_layers:
       raise ValueError(f"feature layers {self.target_layers}: the target has "
                        f"{target.config.num_layers} blocks.")
+    if self.template and (max(self.template.branching)
+                          > self.config.draft_vocab_size):
+      raise ValueError(
+          f"branching={self.template.branching}: a node cannot have more "
+          f"distinct children than the head's {self.config.draft_vocab_size} "
+          "draft tokens.")
 
   def cycle_shape(self, gamma: int) -> tuple[int, int]:
-    return gamma, gamma  # a chain
+    if self.template is None:
+      return gamma, gamma  # a chain
+    return self.template.num_nodes, self.template.depth
 
   def describe(self) -> str:
-    vocab = (f"{self.config.reduced_vocab} of {self.vocab_size} tokens"
-             if self.config.reduced_vocab else "full vocabulary")
-    return (f"EAGLE head, features of layers {self.target_layers}, {vocab}, "
+    c = self.config
+    shape = ("" if self.template is None else
+             f", tree {self.template.branching} "
+             f"({self.template.num_nodes} nodes)")
+    return (f"EAGLE-3 head, features of layers {self.target_layers}, "
+            f"{c.draft_vocab_size} of {c.vocab_size} tokens{shape}, "
             f"{self.num_params:,} params")
 
   def _apply(self, method, *args):
@@ -239,62 +337,89 @@ class EagleDrafter:
                                         method=method)
 
   def logits(self, normed: jax.Array) -> jax.Array:
-    """float32 logits [..., V] from the head's normed output: through the
-    target's output layer, or the reduced one scattered into the full
-    vocabulary with -inf (q = 0) elsewhere."""
-    if not self.config.reduced_vocab:
-      return self.target.unembed(normed)
-    reduced = self._apply(EagleHead.reduced_logits, normed)
-    full = jnp.full(reduced.shape[:-1] + (self.vocab_size,), -jnp.inf)
-    return full.at[..., self.vocab_ids].set(reduced)
+    """float32 logits [..., V] from the head's normed output: the draft
+    vocabulary's scattered into the full one, -inf (q = 0) elsewhere."""
+    logits = self._apply(EagleHead.draft_logits, normed)
+    if self.vocab_ids is None:
+      return logits
+    full = jnp.full(logits.shape[:-1] + (self.vocab_size,), -jnp.inf)
+    return full.at[..., self.vocab_ids].set(logits)
 
-  def _run(self, tokens, features, positions, cache: KVCache):
-    """The head over tokens [B, T] at positions [B, T] (chain slots) with
-    features [B, T, D]: (a, logits [B, T, V], cache with them written)."""
-    visible = visible_slots(positions, cache.keys[0].shape[2])
+  def _run(self, tokens, hidden, positions, cache: KVCache, parents=None):
+    """The layer over pairs (hidden [B, T, H], tokens [B, T]) at positions
+    [B, T]: a chain written at its positions, or with parents a tree
+    written one node after another from the first's slot. Returns (a,
+    logits [B, T, V], cache with them written)."""
+    num_slots = cache.keys[0].shape[2]
+    slots = (positions if parents is None
+             else positions[:, :1] + jnp.arange(positions.shape[1]))
     a, normed, keys, values = self._apply(
-        EagleHead.__call__, self.target.embed(tokens),
-        features.astype(self.config.block.dtype), positions, positions,
-        visible, cache.keys[0], cache.values[0])
+        EagleHead.__call__,
+        self._apply(EagleHead.embed, tokens,
+                    self.target.params["embed"]["embedding"]),
+        hidden, positions, slots, visible_slots(slots, num_slots, parents),
+        cache.keys[0], cache.values[0])
     return a, self.logits(normed), cache.replace(keys=(keys,),
                                                  values=(values,))
 
+  def _pairs(self, features, tokens, lengths, positions):
+    """The pairs (f_p, x_{p+1}) at positions [B, T]: hidden [B, T, H] and
+    tokens [B, T]; (0, x_0) at position 0 of a one-token row."""
+    hidden = _tree_rows(features, jnp.clip(positions, 0,
+                                           features.shape[1] - 1))
+    next_tokens = jnp.take_along_axis(tokens, positions + 1, 1, mode="clip")
+    alone = (lengths[:, None] == 1) & (positions == 0)
+    return (jnp.where(alone[..., None], 0, hidden).astype(self.config.dtype),
+            jnp.where(alone, tokens[:, :1], next_tokens))
+
   def prefill(self, prompts, prompt_lengths, max_len, hidden) -> EagleState:
-    """Runs the prompts' positions; the pointer is left at P - 1, so the
-    first propose runs the last prompt token (as the target's first verify
-    does)."""
-    features = self._apply(EagleHead.fuse, hidden)  # [B, P, D]
+    """Fuses the prompts' features and runs their pairs; the pointer is
+    left at the last pair, P - 2, so the first propose reruns it and reads
+    the first draft there."""
+    features = self._apply(EagleHead.fuse, hidden)  # [B, P, H]
     batch, width = prompts.shape
-    # Position t reads f_{t-1}; position 0 reads zeros.
-    shifted = jnp.pad(features, ((0, 0), (1, 0), (0, 0)))[:, :width]
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-    _, _, cache = self._run(prompts, shifted, positions,
-                            init_cache(self.config.block, batch, max_len))
+    pair_hidden, pair_tokens = self._pairs(features, prompts, prompt_lengths,
+                                           positions)
+    _, _, cache = self._run(pair_tokens, pair_hidden, positions,
+                            init_cache(self.config.attention, batch, max_len))
     stored = jnp.zeros((batch, max_len, features.shape[-1]), features.dtype)
-    return EagleState(cache.rollback(prompt_lengths - 1),
+    return EagleState(cache.rollback(jnp.maximum(prompt_lengths - 2, 0)),
                       stored.at[:, :width].set(features))
+
+  def _first(self, state: EagleState, tokens, lengths, width: int):
+    """Runs pairs H .. H + width - 1 and returns the last pair's output
+    (a [B, H], logits [B, V]: the first draft's law), r [B] its position,
+    and the cache."""
+    start = state.cache.lengths  # [B] H
+    positions = start[:, None] + jnp.arange(width)
+    hidden, pair_tokens = self._pairs(state.features, tokens, lengths,
+                                      positions)
+    a, logits, cache = self._run(pair_tokens, hidden, positions, state.cache)
+    last = jnp.maximum(lengths - 2, 0)  # r
+    index = jnp.maximum(last - start, 0)[:, None]  # 0 for a finished row
+    return (_tree_rows(a, index)[:, 0], _tree_rows(logits, index)[:, 0], last,
+            cache)
+
+  def _done(self, cache: KVCache, lengths) -> EagleState:
+    """The state after drafting: pointer L - 1 (see the module docstring)."""
+    return cache.rollback(jnp.maximum(lengths - 1, 0))
 
   def propose(self, state: EagleState, target_cache, tokens, lengths, key,
               gamma, sampling) -> Proposal:
-    start = state.cache.lengths  # [B] H
-    positions = start[:, None] + jnp.arange(gamma + 1)  # H .. H + gamma
-    features = jnp.take_along_axis(
-        state.features, jnp.maximum(positions - 1, 0)[..., None], axis=1)
-    features = jnp.where(positions[..., None] >= 1, features, 0)
-    run_tokens = jnp.take_along_axis(tokens, positions, 1, mode="clip")
-    a, logits, cache = self._run(run_tokens, features, positions, state.cache)
-    # The first draft follows the last token, at position L - 1.
-    last = jnp.maximum(lengths - 1 - start, 0)[:, None]  # 0: a finished row
-    first_a = jnp.take_along_axis(a, last[..., None], axis=1)[:, 0]
-    first_logits = jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0]
+    if self.template is not None:
+      return self._propose_tree(state, target_cache, tokens, lengths, key,
+                                sampling)
+    first_a, first_logits, last, cache = self._first(state, tokens, lengths,
+                                                     gamma + 1)
     keys = jax.random.split(key, gamma)
 
     def draft_step(loop: DraftLoop) -> DraftLoop:
       loop = loop.draw(keys, sampling)
-      cache, feature = loop.cache
-      position = (lengths + loop.step)[:, None]
+      cache, a = loop.cache
+      position = (last + 1 + loop.step)[:, None]
       a, logits, cache = self._run(loop.tokens[:, loop.step, None],
-                                   feature[:, None], position, cache)
+                                   a[:, None], position, cache)
       return loop.replace(step=loop.step + 1, logits=logits[:, 0],
                           cache=(cache, a[:, 0]))
 
@@ -302,76 +427,111 @@ class EagleDrafter:
         lambda loop: loop.step < gamma - 1, draft_step,
         DraftLoop.start(first_logits, (cache, first_a), gamma))
     loop = loop.draw(keys, sampling)
-    # Keys from the target's features reach L - 1 now; the drafts' are the
-    # head's guesses, overwritten next cycle.
-    state = EagleState(loop.cache[0].rollback(lengths), state.features)
-    return Proposal(loop.tokens, loop.probs, state, target_cache)
+    return Proposal(loop.tokens, loop.probs,
+                    EagleState(self._done(loop.cache[0], lengths),
+                               state.features), target_cache)
+
+  def _propose_tree(self, state, target_cache, tokens, lengths, key,
+                    sampling: Sampling) -> Proposal:
+    """A tree of the template's shape, depth by depth as
+    `draft_tree.propose_tree` draws one: the pass at depth d runs every
+    node of depths 1..d (each with its parent's output as hidden input) at
+    slots r + 1 + node under the tree mask, and its outputs at depth d give
+    their children's q."""
+    template = self.template
+    root_a, root_logits, last, cache = self._first(state, tokens, lengths,
+                                                   template.depth + 1)
+    batch_size, num_nodes = lengths.shape[0], template.num_nodes
+    starts = template.level_starts
+    tree_tokens = jnp.zeros((batch_size, num_nodes), jnp.int32)
+    parents = jnp.broadcast_to(template.parents, (batch_size, num_nodes))
+    node_a = jnp.zeros((batch_size, num_nodes) + root_a.shape[1:],
+                       root_a.dtype)
+    draft_probs = jnp.zeros((batch_size, num_nodes + 1, self.vocab_size))
+    context_logits = root_logits[:, None]  # [B, 1, V] at the root
+    context_used = jnp.ones((batch_size, 1), bool)
+    keys = jax.random.split(key, template.depth)
+    for d, num_children in enumerate(template.branching):
+      first = 0 if d == 0 else starts[d - 1] + 1
+      q = jnp.where(context_used[..., None], sampling.probs(context_logits),
+                    0.0)
+      draft_probs = draft_probs.at[:, first:first + q.shape[1]].set(q)
+      children, used = draw_children(keys[d], context_logits, q,
+                                     num_children, sampling.greedy)
+      level = slice(starts[d], starts[d + 1])
+      tree_tokens = tree_tokens.at[:, level].set(
+          children.reshape(batch_size, -1))
+      used = (used & context_used[..., None]).reshape(batch_size, -1)
+      parents = parents.at[:, level].set(jnp.where(used, parents[:, level],
+                                                   UNUSED))
+      if d + 1 < template.depth:  # the leaves need no q
+        shallow = slice(0, starts[d + 1])
+        node_parents = parents[:, shallow]
+        hidden = jnp.where(
+            (node_parents >= 0)[..., None],
+            _tree_rows(node_a, jnp.maximum(node_parents, 0)),
+            root_a[:, None])
+        a, logits, cache = self._run(
+            tree_tokens[:, shallow], hidden,
+            last[:, None] + template.depths[shallow], cache,
+            parents=node_parents)
+        node_a = node_a.at[:, shallow].set(a)
+        context_logits, context_used = logits[:, level], used
+    return Proposal(tree_tokens, draft_probs,
+                    EagleState(self._done(cache, lengths), state.features),
+                    target_cache, parents)
+
+  def compact(self, state: EagleState, start, path) -> EagleState:
+    """Nothing to move: the head's slots from L - 1 on, where the tree's
+    nodes sit, are rewritten from the target's features next cycle; the
+    accepted path's features reach `update` in path order (decoding.py)."""
+    del start, path
+    return state
 
   def update(self, state: EagleState, cache_lengths, verified) -> EagleState:
     # The pointer moved in propose (see the module docstring).
     del cache_lengths
-    features = self._apply(EagleHead.fuse, verified.hidden)  # [B, G+1, D]
-    # The verify ran the last token (position H - 1) and the drafts.
-    positions = state.cache.lengths[:, None] - 1 + jnp.arange(
-        features.shape[1])
+    features = self._apply(EagleHead.fuse, verified.hidden)  # [B, G+1, H]
+    # The verify ran the last token, at the pointer L - 1, then the drafts.
+    positions = state.cache.lengths[:, None] + jnp.arange(features.shape[1])
     rows = jnp.arange(features.shape[0])[:, None]
     return state.replace(features=state.features.at[rows, positions].set(
         features, mode="drop"))
 
 
-def save_head(path, drafter: EagleDrafter, metadata: dict | None = None,
-              storage_dtype: str | None = None):
-  """Writes a head directory atomically: config.json, params/ (orbax),
-  vocab.npy (the reduced vocabulary's token ids) and metadata.json.
+@functools.partial(jax.jit, static_argnames="steps")
+def greedy_drafts(target: Model, drafter: EagleDrafter, tokens: jax.Array,
+                  steps: int) -> tuple[jax.Array, jax.Array]:
+  """The head's greedy drafts after a prompt, as the decode loop makes them.
 
-  storage_dtype: e.g. "bfloat16" to halve the files; loading casts back.
+  Args:
+    target: the target model.
+    drafter: the head (chains; a tree template is ignored).
+    tokens: [B, n + 1] int32, rows of equal length: a prompt of n tokens,
+      then the token the target emitted after it.
+    steps: drafts per row.
+
+  Returns:
+    drafts [B, steps] int32 target ids, and logits [B, steps, V] float32,
+    the full-vocabulary draft logits (-inf outside the draft vocabulary).
+    The head is filled from the target's features over the prompt as a
+    decode's prefill and first propose fill it; rows do not affect each
+    other.
   """
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  params = drafter.params
-  if storage_dtype:
-    params = jax.tree.map(lambda x: x.astype(storage_dtype), params)
-  with files.atomic_directory(path) as staging:
-    (staging / "config.json").write_text(drafter.config.to_json())
-    if drafter.vocab_ids is not None:
-      np.save(staging / "vocab.npy", np.asarray(drafter.vocab_ids, np.int32))
-    (staging / "metadata.json").write_text(json.dumps(metadata or {},
-                                                      indent=2))
-    with ocp.StandardCheckpointer() as checkpointer:
-      checkpointer.save(staging / "params", params)
-
-
-def load_head(path, target: Model) -> EagleDrafter:
-  """Reads a head directory written by `save_head`, for `target`.
-
-  Raises:
-    FileNotFoundError: no head at path.
-    ValueError: the head is corrupt, or was built for another target.
-  """
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  path = pathlib.Path(path).absolute()
-  if not (path / "config.json").exists() or not (path / "params").exists():
-    raise FileNotFoundError(
-        f"no EAGLE head at {path}: expected config.json and params/ there. "
-        "Train one with `python -m experiments.train_eagle`.")
-  try:
-    config = EagleConfig(**json.loads((path / "config.json").read_text()))
-    expected = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-    with ocp.StandardCheckpointer() as checkpointer:
-      params = checkpointer.restore(path / "params")
-    shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
-    if shapes(params) != shapes(expected):
-      raise ValueError("the stored parameters do not match config.json")
-    vocab_ids = (jnp.asarray(np.load(path / "vocab.npy"), jnp.int32)
-                 if config.reduced_vocab else None)
-  except Exception as error:  # orbax, json and numpy raise many types.
-    raise ValueError(f"the EAGLE head at {path} is corrupt or incomplete "
-                     f"({type(error).__name__}: {error}).") from error
-  if (config.block.d_model, config.target_vocab_size) != (
-      target.config.d_model, target.vocab_size):
-    raise ValueError(
-        f"the EAGLE head at {path} was trained for another target model "
-        f"(d_model {config.block.d_model}, vocabulary "
-        f"{config.target_vocab_size}; this target has "
-        f"{target.config.d_model} and {target.vocab_size}).")
-  params = jax.tree.map(lambda x: jnp.asarray(x, config.block.dtype), params)
-  return EagleDrafter(target, params, config, vocab_ids)
+  batch_size, width = tokens.shape
+  prompt_lengths = jnp.full((batch_size,), width - 1, jnp.int32)
+  max_len = width + steps
+  _, hidden = target.prefill_with_hidden(tokens[:, :-1], prompt_lengths,
+                                         max_len, drafter.target_layers)
+  state = drafter.prefill(tokens[:, :-1], prompt_lengths, max_len, hidden)
+  a, logits, last, cache = drafter._first(  # pylint: disable=protected-access
+      state, tokens, prompt_lengths + 1, 2)
+  drafts, all_logits = [], []
+  for step in range(steps):
+    drafts.append(jnp.argmax(logits, -1).astype(jnp.int32))
+    all_logits.append(logits)
+    if step + 1 < steps:
+      a, step_logits, cache = drafter._run(  # pylint: disable=protected-access
+          drafts[-1][:, None], a[:, None], (last + 1 + step)[:, None], cache)
+      a, logits = a[:, 0], step_logits[:, 0]
+  return jnp.stack(drafts, 1), jnp.stack(all_logits, 1)

@@ -1,14 +1,15 @@
-"""What training an EAGLE head optimises: training-time test (EAGLE-3).
+"""What training an EAGLE-3 head optimises: training-time test.
 
 In the decode loop the head drafts its first token from the target's features
 and every later one from its own outputs. Training-time test trains it that
-way: step 0 runs the head over a batch with the target's features; step k
-feeds each position the head's own output of step k - 1 at the position
-before. A query of step k at position t stands for the k-th draft of a cycle
-whose last target feature was at t - k, so it attends to what that draft
-would see in the loop's cache: the step-0 keys of positions <= t - k and the
-keys of steps 1..k at t - k + 1 .. t (one each). Step k's loss has weight
-0.8^k.
+way. Head position t holds the pair (f_t, x_{t+1}) and predicts x_{t+2}
+(eagle.py). Step 0 runs the head over a batch with the target's features;
+step k feeds each position the head's own output of step k - 1 at the
+position before, with the true tokens. A query of step k at position t
+stands for the (k+1)-th draft of a cycle whose last target feature was at
+t - k, so it attends to what that draft would see in the loop's cache: the
+step-0 keys of positions <= t - k and the keys of steps 1..k at
+t - k + 1 .. t (one each). Step k's loss has weight 0.8^k.
 
 The loss is the soft cross-entropy from the target's law, truncated to its
 top logits (stored with the features, see experiments/harness/eagle_data.py).
@@ -68,7 +69,8 @@ def ttt_loss(params: dict, config: EagleConfig, target: Model, batch: dict,
   """(weighted loss, {"loss": [steps], "top1": [steps]}) on a batch.
 
   batch: tokens [B, T] int32, lengths and loss_from [B], hidden
-    [B, T, F, D], top_ids and top_logits [B, T, K] (a FeatureCache batch).
+    [B, T, F, D], top_ids and top_logits [B, T, K] (a FeatureCache batch):
+    position t's target law is that of token t + 1.
   top1[k]: how often step k's argmax is the target's argmax, the greedy
     acceptance of draft k + 1 given the drafts before it were accepted.
   """
@@ -77,28 +79,31 @@ def ttt_loss(params: dict, config: EagleConfig, target: Model, batch: dict,
                                            method=method)
   tokens = batch["tokens"]
   batch_size, length = tokens.shape
-  hidden = batch["hidden"].astype(config.block.dtype)
-  fused = apply(EagleHead.fuse, tuple(
-      hidden[:, :, i] for i in range(hidden.shape[2])))
-  features = jnp.pad(fused, ((0, 0), (1, 0), (0, 0)))[:, :length]
-  embedded = target.embed(tokens)
-  cache = init_cache(config.block, batch_size, num_steps * length)
+  hidden = apply(EagleHead.fuse, tuple(
+      batch["hidden"][:, :, i] for i in range(batch["hidden"].shape[2])))
+  # Pair t is (f_t, x_{t+1}), predicting x_{t+2}: the target's law at t + 1.
+  shift = lambda x: jnp.concatenate([x[:, 1:], x[:, -1:]], 1)
+  embedded = apply(EagleHead.embed, shift(tokens),
+                   target.params["embed"]["embedding"])
+  cache = init_cache(config.attention, batch_size, num_steps * length)
   keys, values = cache.keys[0], cache.values[0]
   positions = jnp.broadcast_to(jnp.arange(length), (batch_size, length))
   p, ids, draftable = _targets(
-      batch, reduced_index(vocab_ids, config.target_vocab_size))
-  # Only predictions from loss_from on are trained (a reply, not its prompt).
-  valid = ((positions < batch["lengths"][:, None])
-           & (positions >= batch["loss_from"][:, None]))
+      {name: shift(batch[name]) for name in ("top_ids", "top_logits")},
+      reduced_index(vocab_ids, config.vocab_size))
+  # Only predictions of a reply's tokens are trained (from loss_from on),
+  # and only where the token after the pair exists.
+  predicted = positions + 1
+  valid = ((predicted < batch["lengths"][:, None])
+           & (predicted >= batch["loss_from"][:, None]))
   losses, top1 = [], []
   for step in range(num_steps):
     visible = jnp.broadcast_to(ttt_mask(length, num_steps, step),
                                (batch_size, length, num_steps * length))
     a, normed, keys, values = apply(
-        EagleHead.__call__, embedded, features, positions,
+        EagleHead.__call__, embedded, hidden, positions,
         positions + step * length, visible, keys, values)
-    logits = (apply(EagleHead.reduced_logits, normed)
-              if config.reduced_vocab else target.unembed(normed))
+    logits = apply(EagleHead.draft_logits, normed)
     log_q = jax.nn.log_softmax(logits)
     cross_entropy = -(p * jnp.take_along_axis(log_q, ids, -1)).sum(-1)
     mask = valid & draftable & (positions >= step)
@@ -107,7 +112,7 @@ def ttt_loss(params: dict, config: EagleConfig, target: Model, batch: dict,
     top1.append(((jnp.argmax(logits, -1) == ids[..., 0]) & mask).sum()
                 / count)
     # Step k + 1 at position t reads step k's output at t - 1.
-    features = jnp.pad(a, ((0, 0), (1, 0), (0, 0)))[:, :length]
+    hidden = jnp.pad(a, ((0, 0), (1, 0), (0, 0)))[:, :length]
   weights = STEP_WEIGHT ** np.arange(num_steps)
   loss = jnp.dot(jnp.stack(losses), weights / weights.sum())
   return loss, {"loss": jnp.stack(losses), "top1": jnp.stack(top1)}

@@ -722,16 +722,6 @@ class Model:
                                     hidden_layers=hidden_layers)
     return cache.rollback(prompt_lengths - 1), hidden
 
-  def embed(self, tokens: jax.Array) -> jax.Array:
-    """[B, T, D] input embeddings of tokens [B, T], without positions (a
-    feature-level draft head reuses the target's table)."""
-    dtype = self.config.dtype
-    x = jnp.take(self.params["embed"]["embedding"], tokens, axis=0)
-    x = x.astype(dtype)
-    if self.config.embed_scale:  # in the activation dtype, as in the model
-      x = x * jnp.asarray(math.sqrt(self.config.d_model), dtype)
-    return x
-
   @property
   def output_kernel(self) -> jax.Array:
     """[V, D] the output layer's weights: the embedding table when tied."""

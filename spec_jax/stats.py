@@ -35,6 +35,11 @@ class DecodeStats:
   # cycles whose accepted path reached depth i + 1.
   accepted_per_position: jax.Array
   overlap_sum: jax.Array  # [B] sum over verified positions of sum_x min(p, q).
+  # [B] sum over the same positions of sum_x q(x) p(x): what the same draft
+  # laws would be accepted with by a verifier that treats each draft as a
+  # point mass (one-hot q, as tpu-inference and sglang-jax verify EAGLE
+  # drafts), which is also exact but accepts min(1, p(x)) <= min(1, p/q).
+  point_mass_sum: jax.Array
   # [B] verified positions: accepted + the rejected one (for a tree, the
   # contexts with children on the accepted path).
   verified: jax.Array
@@ -53,15 +58,16 @@ class DecodeStats:
         cycles=jnp.zeros((), jnp.int32), row_cycles=row, drafted=row,
         accepted=row,
         accepted_per_position=jnp.zeros((batch_size, gamma), jnp.int32),
-        overlap_sum=jnp.zeros((batch_size,), jnp.float32), verified=row,
+        overlap_sum=jnp.zeros((batch_size,), jnp.float32),
+        point_mass_sum=jnp.zeros((batch_size,), jnp.float32), verified=row,
         width_cycles=jnp.zeros((num_widths,), jnp.int32))
 
   def count_width(self, index: jax.Array) -> "DecodeStats":
     """Counts one verify pass of the index-th width."""
     return self.replace(width_cycles=self.width_cycles.at[index].add(1))
 
-  def record_cycle(self, active, proposed, num_accepted,
-                   overlap) -> "DecodeStats":
+  def record_cycle(self, active, proposed, num_accepted, overlap,
+                   point_mass) -> "DecodeStats":
     """The counters after one cycle of a chain.
 
     Args:
@@ -70,14 +76,16 @@ class DecodeStats:
         gamma and prompt lookup may propose fewer than gamma).
       num_accepted: [B] accepted drafts.
       overlap: [B, G] sum_x min(p, q) at each position.
+      point_mass: [B, G] sum_x q(x) p(x) at each position.
     """
     position = jnp.arange(proposed.shape[1])
     # The accepted positions and the first rejected one.
     verified = proposed & (position <= num_accepted[:, None])
-    return self.record(active, proposed, verified, num_accepted, overlap)
+    return self.record(active, proposed, verified, num_accepted, overlap,
+                       point_mass)
 
-  def record(self, active, drafted, verified, num_accepted,
-             overlap) -> "DecodeStats":
+  def record(self, active, drafted, verified, num_accepted, overlap,
+             point_mass) -> "DecodeStats":
     """The counters after one cycle of a chain or a tree.
 
     Args:
@@ -89,6 +97,8 @@ class DecodeStats:
         accepted path that have children.
       num_accepted: [B] accepted drafts, the accepted path's length.
       overlap: [B, M] sum_x min(p, q) at the same M positions or contexts.
+      point_mass: [B, M] sum_x q(x) p(x) there (for a tree context, its
+        first child's).
     """
     depth = self.accepted_per_position.shape[1]
     accepted = jnp.where(active, num_accepted, 0)
@@ -102,6 +112,8 @@ class DecodeStats:
         accepted_per_position=self.accepted_per_position + (
             jnp.arange(depth) < accepted[:, None]),
         overlap_sum=self.overlap_sum + jnp.where(verified, overlap, 0.0).sum(-1),
+        point_mass_sum=self.point_mass_sum + jnp.where(
+            verified, point_mass, 0.0).sum(-1),
         verified=self.verified + verified.sum(-1))
 
   def __add__(self, other: "DecodeStats") -> "DecodeStats":
@@ -116,6 +128,7 @@ class DecodeStats:
         accepted_per_position=rows(self.accepted_per_position,
                                    other.accepted_per_position),
         overlap_sum=rows(self.overlap_sum, other.overlap_sum),
+        point_mass_sum=rows(self.point_mass_sum, other.point_mass_sum),
         verified=rows(self.verified, other.verified),
         width_cycles=total(self.width_cycles, other.width_cycles))
 
@@ -126,7 +139,7 @@ class DecodeStats:
     return self.replace(**{
         name: np.asarray(getattr(self, name))[keep] for name in (
             "row_cycles", "drafted", "accepted", "accepted_per_position",
-            "overlap_sum", "verified")})
+            "overlap_sum", "point_mass_sum", "verified")})
 
   @classmethod
   def merge(cls, stats: list["DecodeStats"]) -> "DecodeStats":
@@ -168,6 +181,12 @@ class DecodeStats:
     return float(self.overlap_sum.sum() / max(int(self.verified.sum()), 1))
 
   @property
+  def mean_point_mass_acceptance(self) -> float:
+    """Mean of sum_x q(x) p(x) over the same positions: a point-mass
+    verifier's acceptance of the same drafts (see `point_mass_sum`)."""
+    return float(self.point_mass_sum.sum() / max(int(self.verified.sum()), 1))
+
+  @property
   def position_acceptance(self) -> np.ndarray:
     """[G] fraction of row-cycles that accepted draft i (1-based i = index
     + 1): P(the first i drafts are all accepted)."""
@@ -198,6 +217,7 @@ class DecodeStats:
         "nodes_per_cycle": self.nodes_per_cycle,
         "width_cycles": [int(x) for x in self.width_cycles],
         "mean_overlap": self.mean_overlap,
+        "mean_point_mass_acceptance": self.mean_point_mass_acceptance,
         # Summed over rows: row-cycles that accepted draft i.
         "accepted_per_position": [
             int(x) for x in np.asarray(self.accepted_per_position).sum(0)],

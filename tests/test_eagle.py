@@ -1,15 +1,18 @@
-"""EAGLE heads: exact in the loop, consistent state, training that learns.
+"""EAGLE-3 heads in the loop: exact in chains and trees, consistent state,
+training that learns.
 
 The head for the tiny target is trained here for a few hundred steps on the
 target's own greedy continuations, so that cycles accept several drafts (a
 random head would only exercise rejections). Its Monte Carlo law tests are
 those of test_law_monte_carlo.py (100,000 samples of the first 6 tokens,
-two cycles of 2 drafts, chi-square at 1e-3), with the same negative
-control.
+two cycles of 2 drafts or of a depth-2 tree, chi-square at 1e-3), with the
+same negative controls. Parity with the published architecture and the
+checkpoint formats are test_eagle3.py's.
 """
 
-import functools
+import dataclasses
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,10 +20,11 @@ import optax
 import pytest
 
 import spec_jax as sj
-from spec_jax import decoding, eagle, eagle_training
-from conftest import chi_square_p_value, loop_cycles, tiny_pair
+from spec_jax import eagle, eagle_training
+from conftest import loop_cycles, tiny_pair
 from test_law_monte_carlo import (  # pylint: disable=unused-import
     correction_from_p, follows_law, law_check, pair8, speculative)
+from test_tree_loop import WRONG_RULES
 
 PROMPTS = [[3, 9, 4, 7, 3, 9, 4, 7, 3, 9], [4, 5, 6, 7, 8], [13], [2, 7, 1, 8]]
 MAX_NEW = 24
@@ -51,12 +55,15 @@ def train_head(target, config, vocab_ids=None, steps=300, seed=0):
   sequences = np.concatenate([prompts, np.asarray(greedy.tokens)], 1)
   batch = features_batch(target, sequences, config.feature_layers, 8)
   optimizer = optax.adam(3e-3)
-  params = eagle.init_params(config, jax.random.key(seed))
+  params = eagle.init_params(config, jax.random.key(seed), target, vocab_ids)
   opt_state = optimizer.init(params)
   for _ in range(steps):
     params, opt_state, metrics = eagle_training.train_step(
         params, opt_state, config, target, batch, vocab_ids, optimizer, 3)
   return eagle.EagleDrafter(target, params, config, vocab_ids), metrics
+
+
+TREE = (3, 2, 1)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +81,7 @@ def head(target):
 def reduced_head(target):
   """Over the 12 tokens most often the target's greedy choice."""
   config = eagle.EagleConfig.for_target(target.config, feature_layers=(3,),
-                                        reduced_vocab=12)
+                                        draft_vocab_size=12)
   return train_head(target, config, jnp.arange(12, dtype=jnp.int32) + 4)[0]
 
 
@@ -119,11 +126,15 @@ def test_training_raises_acceptance(target):
   assert float(trained["top1"][1]) > 0.5, trained  # on its own features
 
 
-@pytest.mark.parametrize("which", ["head", "reduced_head"])
-@pytest.mark.parametrize("gamma", [1, 4])
+# A tree's template fixes its drafts: gamma plays no part.
+@pytest.mark.parametrize("which,gamma", [
+    ("head", 1), ("head", 4), ("reduced_head", 1), ("reduced_head", 4),
+    ("tree", 4), ("reduced_tree", 4)])
 def test_greedy_speculative_equals_greedy_target(target, head, reduced_head,
                                                  which, gamma):
-  drafter = {"head": head, "reduced_head": reduced_head}[which]
+  drafter = {"head": head, "reduced_head": reduced_head,
+             "tree": head.with_tree(TREE),
+             "reduced_tree": reduced_head.with_tree(TREE)}[which]
   padded, lengths = sj.pad_prompts(PROMPTS)
   config = sj.DecodeConfig(gamma=gamma, max_new_tokens=MAX_NEW,
                            sampling=sj.Sampling(temperature=0), eos_id=15)
@@ -134,7 +145,8 @@ def test_greedy_speculative_equals_greedy_target(target, head, reduced_head,
   stats = spec.stats.summary()
   assert 0 < stats["accepted"] < stats["drafted"]
   if gamma > 1:
-    # Some cycles accepted every draft, some rejected.
+    # Some cycles accepted every draft (the tree's deepest level), some
+    # rejected.
     assert spec.stats.position_acceptance[-1] > 0
 
 
@@ -196,15 +208,19 @@ def assert_state_from_scratch(state, drafter, target):
   np.testing.assert_array_equal(ours.tokens, theirs.tokens)
 
 
-@pytest.mark.parametrize("resample", [accept_all, reject_all, sj.resample])
+@pytest.mark.parametrize("resample", [accept_all, reject_all, sj.resample,
+                                      "tree"])
 def test_head_state_equals_a_prefill_after_every_cycle(target, head,
                                                        resample):
-  config = sj.DecodeConfig(gamma=3, max_new_tokens=MAX_NEW, resample=resample,
-                           sampling=sj.Sampling(temperature=1.0))
+  drafter = head.with_tree(TREE) if resample == "tree" else head
+  config = sj.DecodeConfig(
+      gamma=3, max_new_tokens=MAX_NEW,
+      resample=sj.resample if resample == "tree" else resample,
+      sampling=sj.Sampling(temperature=1.0))
   advances = set()
-  for state, advance in loop_cycles(target, head, PROMPTS, config):
+  for state, advance in loop_cycles(target, drafter, PROMPTS, config):
     advances |= set(advance.tolist())
-    assert_state_from_scratch(state, head, target)
+    assert_state_from_scratch(state, drafter, target)
   if resample is accept_all:
     assert advances == {4}
   elif resample is reject_all:
@@ -221,30 +237,41 @@ def head8(pair8):
 
 
 @pytest.mark.slow  # about a minute each (100,000 samples of 6 tokens)
-@pytest.mark.parametrize("sampling,gamma", [
-    (sj.Sampling(temperature=1.0), 2),
-    (sj.Sampling(temperature=0.8, top_p=0.8), 1),
+@pytest.mark.parametrize("sampling,gamma,tree,resample", [
+    (sj.Sampling(temperature=1.0), 2, None, sj.resample),
+    (sj.Sampling(temperature=0.8, top_p=0.8), 1, None, sj.resample),
+    (sj.Sampling(temperature=1.0), 2, None, sj.resample_block),
+    (sj.Sampling(temperature=1.0), 2, (2, 2), sj.resample),
+    (sj.Sampling(temperature=0.8, top_p=0.8), 2, (3, 1), sj.resample),
 ])
-def test_head_samples_the_target_law(pair8, head8, sampling, gamma):
+def test_head_samples_the_target_law(pair8, head8, sampling, gamma, tree,
+                                     resample):
   target = pair8[0]
-  decode = speculative(target, head8, gamma, sampling)
-  p_values, _ = law_check(decode, target, sampling, seed=21)
+  decode = speculative(target, head8.with_tree(tree), gamma, sampling,
+                       resample=resample)
+  p_values, stats = law_check(decode, target, sampling, seed=21)
   assert follows_law(p_values), p_values
+  assert float(stats[0].summary()["accepted"]) > 0
 
 
 @pytest.mark.slow
-def test_negative_control_with_head_is_rejected(pair8, head8):
+@pytest.mark.parametrize("tree", [None, (2, 2)])
+def test_negative_control_with_head_is_rejected(pair8, head8, tree):
+  """The correction drawn from p instead of norm(max(0, p - q)): for a
+  chain through the token rule, for a tree through the tree rule."""
   target = pair8[0]
   sampling = sj.Sampling(temperature=1.0)
-  decode = speculative(target, head8, 2, sampling,
-                       resample=correction_from_p())
+  wrong = (dict(resample=correction_from_p()) if tree is None
+           else dict(resample_tree=WRONG_RULES["correction_from_p"]))
+  decode = speculative(target, head8.with_tree(tree), 2, sampling, **wrong)
   p_values, _ = law_check(decode, target, sampling, seed=22)
   assert not follows_law(p_values), p_values
 
 
-def test_save_and_load_round_trip(tmp_path, target, reduced_head):
-  eagle.save_head(tmp_path / "head", reduced_head, {"tokens_seen": 1})
-  loaded = eagle.load_head(tmp_path / "head", target)
+def test_trained_head_round_trips_through_the_published_format(
+    tmp_path, target, reduced_head):
+  sj.save_eagle3(reduced_head, tmp_path / "head", dtype="float32")
+  loaded = sj.load_eagle3(tmp_path / "head", target)
   assert loaded.config == reduced_head.config
   np.testing.assert_array_equal(loaded.vocab_ids, reduced_head.vocab_ids)
   for a, b in zip(jax.tree.leaves(loaded.params),
@@ -252,15 +279,68 @@ def test_save_and_load_round_trip(tmp_path, target, reduced_head):
     np.testing.assert_array_equal(a, b)
 
 
-def test_bad_heads_are_refused(tmp_path, target, head):
-  with pytest.raises(FileNotFoundError, match="train_eagle"):
-    eagle.load_head(tmp_path / "missing", target)
-  eagle.save_head(tmp_path / "head", head)
-  (tmp_path / "head" / "config.json").write_text("{not json")
-  with pytest.raises(ValueError, match="corrupt"):
-    eagle.load_head(tmp_path / "head", target)
+def test_bad_head_settings_are_refused(target, head):
   other = tiny_pair(vocab_size=32, seed=3, num_layers=3)[0]
   with pytest.raises(ValueError, match="vocabulary"):
     head.validate(other, 64)
-  with pytest.raises(ValueError, match="reduced_vocab"):
-    eagle.EagleConfig.for_target(target.config, reduced_vocab=17)
+  with pytest.raises(ValueError, match="draft_vocab_size=17"):
+    eagle.EagleConfig.for_target(target.config, draft_vocab_size=17)
+  with pytest.raises(ValueError, match="more distinct children"):
+    eagle.EagleDrafter(target, {}, dataclasses.replace(
+        head.config, draft_vocab_size=2), template=(3,)).validate(target, 64)
+
+
+@flax.struct.dataclass
+class PointMass:
+  """The head's chains verified as point masses (q one-hot at each draft),
+  the rule tpu-inference and sglang-jax apply to EAGLE drafts."""
+
+  head: eagle.EagleDrafter
+  proposes_fewer = False
+
+  vocab_size = property(lambda self: self.head.vocab_size)
+  target_layers = property(lambda self: self.head.target_layers)
+
+  def validate(self, target, max_len):
+    self.head.validate(target, max_len)
+
+  def cycle_shape(self, gamma):
+    return self.head.cycle_shape(gamma)
+
+  def describe(self):
+    return "point-mass " + self.head.describe()
+
+  def prefill(self, *args):
+    return self.head.prefill(*args)
+
+  def update(self, *args):
+    return self.head.update(*args)
+
+  def propose(self, *args):
+    proposal = self.head.propose(*args)
+    proposed = proposal.probs.sum(-1, keepdims=True) > 0
+    return proposal.replace(probs=jax.nn.one_hot(
+        proposal.tokens, self.vocab_size) * proposed)
+
+
+@pytest.mark.slow  # two law checks, about two minutes
+def test_point_mass_verification_is_exact_and_accepts_less(pair8, head8):
+  """Both rules sample the target's law at T=1; on the same draft laws the
+  full-q rule accepts more (the loop's `mean_point_mass_acceptance` is what
+  the point-mass rule accepts of them), and in its own run the point-mass
+  rule accepts less."""
+  target = pair8[0]
+  sampling = sj.Sampling(temperature=1.0)
+  full_p, full_stats = law_check(speculative(target, head8, 2, sampling),
+                                 target, sampling, seed=23)
+  point_p, point_stats = law_check(
+      speculative(target, PointMass(head8), 2, sampling), target, sampling,
+      seed=23)
+  assert follows_law(full_p) and follows_law(point_p), (full_p, point_p)
+  full = sj.DecodeStats.merge(full_stats)
+  point = sj.DecodeStats.merge(point_stats)
+  assert full.mean_point_mass_acceptance < full.mean_overlap
+  assert point.tokens_per_cycle < full.tokens_per_cycle
+  print(f"alpha {full.mean_overlap:.3f}, point mass on the same drafts "
+        f"{full.mean_point_mass_acceptance:.3f}; tau {full.tokens_per_cycle:.3f}"
+        f" against {point.tokens_per_cycle:.3f}")

@@ -101,12 +101,14 @@ def test_stats_add_as_counters():
   one = sj.DecodeStats(cycles=np.int32(3), row_cycles=np.array([3]),
                        drafted=np.array([6]), accepted=np.array([6]),
                        accepted_per_position=np.array([[3, 3]]),
-                       overlap_sum=np.array([6.0]), verified=np.array([6]),
+                       overlap_sum=np.array([6.0]),
+                       point_mass_sum=np.array([5.0]), verified=np.array([6]),
                        width_cycles=np.array([0, 3]))
   two = sj.DecodeStats(cycles=np.int32(4), row_cycles=np.array([1, 4]),
                        drafted=np.array([2, 8]), accepted=np.array([0, 2]),
                        accepted_per_position=np.array([[0, 0], [2, 0]]),
                        overlap_sum=np.array([0.5, 2.5]),
+                       point_mass_sum=np.array([0.25, 0.75]),
                        verified=np.array([1, 5]), width_cycles=np.array([1, 3]))
   merged = sj.DecodeStats.merge([one, two])
   assert int(merged.cycles) == 7 and merged.row_cycles.tolist() == [3, 1, 4]
@@ -115,6 +117,7 @@ def test_stats_add_as_counters():
   assert merged.tokens_per_cycle == pytest.approx((8 + 8) / 8)
   assert merged.accepted_per_cycle == pytest.approx(8 / 8)
   assert merged.mean_overlap == pytest.approx(9 / 12)
+  assert merged.mean_point_mass_acceptance == pytest.approx(6 / 12)
   np.testing.assert_allclose(merged.position_acceptance, [5 / 8, 3 / 8])
   np.testing.assert_allclose(merged.conditional_position_acceptance,
                              [5 / 8, 3 / 5])
@@ -126,6 +129,7 @@ def test_stats_leave_out_padding_rows():
                          drafted=np.array([4, 4]), accepted=np.array([1, 4]),
                          accepted_per_position=np.array([[1, 0], [2, 2]]),
                          overlap_sum=np.array([1.0, 4.0]),
+                         point_mass_sum=np.array([0.5, 3.0]),
                          verified=np.array([3, 4]),
                          width_cycles=np.array([0, 2]))
   real = stats.select_rows([0])

@@ -257,3 +257,16 @@ def test_overlap_is_sum_of_min():
   q = jnp.array([[[0.2, 0.8]]])
   p = jnp.array([[[0.6, 0.4], [0.5, 0.5]]])
   np.testing.assert_allclose(rules.overlap(q, p), [[0.6]], rtol=1e-6)
+
+
+def test_point_mass_acceptance_never_exceeds_the_full_rule():
+  """sum_x q p (a point-mass verifier's acceptance) <= sum_x min(p, q),
+  with equality when q is one-hot."""
+  keys = jax.random.split(jax.random.key(0), 2)
+  q = jax.nn.softmax(2 * jax.random.normal(keys[0], (64, 3, 10)))
+  p = jax.nn.softmax(2 * jax.random.normal(keys[1], (64, 4, 10)))
+  full, point = rules.overlap(q, p), rules.point_mass_acceptance(q, p)
+  assert (point <= full + 1e-7).all() and float((full - point).mean()) > 0.1
+  one_hot = jax.nn.one_hot(jnp.argmax(q, -1), 10)
+  np.testing.assert_allclose(rules.point_mass_acceptance(one_hot, p),
+                             rules.overlap(one_hot, p), rtol=1e-6)

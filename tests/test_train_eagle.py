@@ -56,20 +56,20 @@ def test_training_resumes_and_writes_a_learning_curve(tiny_models, tmp_path,
 def test_head_directory_loads_as_a_drafter(tiny_models, tiny_head):
   config = quickstart_configs.get_config("runlocal")
   config.target = str(tiny_models[0])
-  config.drafter = "eagle"
+  config.drafter = "eagle3"
   config.eagle = str(tiny_head / "head")
   loaded = loading.load_models(config)
   assert isinstance(loaded.drafter, eagle.EagleDrafter)
-  assert loaded.drafter.config.reduced_vocab == 64
+  assert loaded.drafter.config.draft_vocab_size == 64
   assert loaded.drafter.vocab_ids.shape == (64,)
-  assert "EAGLE head" in loaded.describe()
+  assert "EAGLE-3 head" in loaded.describe()
 
 
 def test_missing_head_is_a_clear_error(tiny_models, tmp_path):
   result = run_module(
       "experiments.run", "--config=configs/quickstart.py:runlocal",
       f"--workdir={tmp_path}", f"--config.target={tiny_models[0]}",
-      "--config.drafter=eagle", f"--config.eagle={tmp_path / 'nothing'}")
+      "--config.drafter=eagle3", f"--config.eagle={tmp_path / 'nothing'}")
   assert result.returncode != 0 and "train_eagle" in result.stderr
 
 
@@ -79,7 +79,7 @@ def test_exactness_and_drafter_comparison_run_with_the_head(
   result = run_module(
       "experiments.exactness", "--config=configs/exactness.py:runlocal",
       f"--workdir={tmp_path}", f"--config.target={tiny_models[0]}",
-      "--config.drafter=eagle", f"--config.eagle={tiny_head / 'head'}")
+      "--config.drafter=eagle3", f"--config.eagle={tiny_head / 'head'}")
   assert result.returncode == 0, result.stderr[-3000:]
   assert len(json.loads((tmp_path / "report.json").read_text())
              ["settings"]) == 2
@@ -94,7 +94,7 @@ def test_exactness_and_drafter_comparison_run_with_the_head(
   assert result.returncode == 0, result.stderr[-3000:]
   rows = json.loads((tmp_path / "drafters.json").read_text())["rows"]
   assert {r["drafter"] for r in rows} == {"model", "ngram", "layer_skip",
-                                          "eagle"}
+                                          "eagle3"}
   for row in rows:
     assert row["tokens_per_cycle"] >= 1 and row["speedup"] > 0
     assert row["draft_cost_ratio"] > 0
@@ -116,7 +116,7 @@ def test_instructions_come_from_training_files_only():
 
 def test_shipped_head_is_exact_and_accepts_on_the_builtin_target():
   config = quickstart_configs.get_config("runlocal")
-  config.drafter = "eagle"
+  config.drafter = "eagle3"
   loaded = loading.load_models(config)
   prompts = loading.load_prompts(config, loaded.target.tokenizer)[:4]
   ids = [loaded.target.tokenizer.encode(p).ids for p in prompts]

@@ -35,6 +35,8 @@ def _row(name, variant, overrides, run, costs: timing.Costs) -> dict:
       "variant": name, "drafter": variant.drafter, "gamma": run["gamma"],
       "temperature": run["temperature"],
       "alpha_min_pq": sd["mean_overlap"],
+      # The same drafts' acceptance under a point-mass (one-hot q) verifier.
+      "alpha_point_mass": sd["mean_point_mass_acceptance"],
       "acceptance_rate": sd["acceptance_rate"],
       "tokens_per_cycle": sd["tokens_per_cycle"],
       "position_acceptance": sd["position_acceptance"],

@@ -29,11 +29,12 @@ def base_config() -> ml_collections.ConfigDict:
   config.target = "pretrained/target"
   # Where drafts come from: model (config.draft), ngram (prompt lookup in the
   # row's own context, no draft model), layer_skip (the target's first
-  # layers, sharing its cache) or eagle (a head on the target's features,
-  # config.eagle).
+  # layers, sharing its cache) or eagle3 (an EAGLE-3 head on the target's
+  # features, config.eagle).
   config.drafter = "model"
-  # The EAGLE head directory, for drafter=eagle (experiments.train_eagle
-  # writes WORKDIR/head); "pretrained/eagle" is the built-in target's.
+  # The EAGLE-3 head folder (SpecForge, EAGLE or speculators layout), for
+  # drafter=eagle3 (experiments.train_eagle writes WORKDIR/head);
+  # "pretrained/eagle" is the built-in target's.
   config.eagle = "pretrained/eagle"
   # The draft model directory, for drafter=model.
   config.draft = "pretrained/draft"
@@ -54,7 +55,7 @@ def base_config() -> ml_collections.ConfigDict:
   # (always gamma + 1), 2 (a plain target step when no row proposed
   # anything), 3 (and gamma // 2 + 1). See spec_jax DecodeConfig.
   config.verify_buckets = 2
-  # For drafter=model: () drafts a chain of gamma; branching factors per
+  # For drafter=model or eagle3: () drafts a chain of gamma; branching per
   # depth, e.g. --config.tree=3,2,1,1, draft a tree of that shape instead
   # (spec_jax.TreeTemplate), verified in one pass; gamma is then unused.
   config.tree = ()
@@ -181,9 +182,10 @@ def check(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"verification={config.verification!r}: choose one of "
                      f"{tuple(RESAMPLERS)}.")
   if tree(config):
-    if config.drafter != "model":
-      raise ValueError(f"tree={config.tree!r} drafts from a draft model; set "
-                       "--config.drafter=model.")
+    if config.drafter not in ("model", "eagle3"):
+      raise ValueError(f"tree={config.tree!r} drafts from a draft model or "
+                       "an EAGLE-3 head; set --config.drafter=model or "
+                       "eagle3.")
     if config.verification != "token" or config.confidence_threshold:
       raise ValueError(f"tree={config.tree!r}: trees verify by recursive "
                        "rejection and draft their whole template; unset "

@@ -16,11 +16,11 @@ import numpy as np
 
 from experiments.harness import config as config_lib
 from experiments.harness import data
-from spec_jax import eagle, sharding
+from spec_jax import sharding
 from spec_jax.decoding import DecodeConfig, generate_autoregressive, pad_prompts
 from spec_jax.drafters import (LayerSkipDrafter, ModelDrafter, NgramDrafter,
                                TreeDrafter)
-from spec_jax.io import checkpoint, gguf, hf, pretrained
+from spec_jax.io import checkpoint, eagle3, gguf, hf, pretrained
 from spec_jax.io.bundle import ModelBundle
 from spec_jax.sampling import Sampling
 
@@ -127,9 +127,12 @@ DRAFTERS = {
     "layer_skip": lambda config, target, draft: LayerSkipDrafter(
         target, num_layers=config.layer_skip.num_layers,
         confidence_threshold=config.confidence_threshold),
-    # The EAGLE head at config.eagle, drafting from the target's features.
-    "eagle": lambda config, target, draft: eagle.load_head(
-        pretrained.resolve(config.eagle), target),
+    # The EAGLE-3 head at config.eagle (a SpecForge, EAGLE or speculators
+    # folder), drafting from the target's features: chains, or trees of
+    # config.tree's shape.
+    "eagle3": lambda config, target, draft: eagle3.load_eagle3(
+        pretrained.resolve(config.eagle), target).with_tree(
+            config_lib.tree(config) or None),
 }
 
 

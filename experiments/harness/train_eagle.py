@@ -9,8 +9,9 @@
                orbax checkpoints; the held-out greedy acceptance by draft
                position is logged and written to learning_curve.json (and
                learning_curve.png at the end);
-  3. the head  written to workdir/head (spec_jax.eagle.save_head), which
-               `--config.drafter=eagle --config.eagle=DIR/head` loads.
+  3. the head  written to workdir/head in SpecForge's layout
+               (spec_jax.save_eagle3), which vLLM, SGLang and SpecForge
+               load, and `--config.drafter=eagle3 --config.eagle=DIR/head`.
 
 A stage whose output is on disk is skipped, so an interrupted run picks up
 where it stopped: inside stage 1 at the next batch, inside stage 2 at the
@@ -32,6 +33,7 @@ import orbax.checkpoint as ocp
 from experiments.harness import eagle_data, loading, plots, records
 from experiments.harness.train import make_optimizer, resume
 from spec_jax import eagle, eagle_training, theory
+from spec_jax.io import eagle3
 from spec_jax.io.bundle import ModelBundle
 
 _log = logging.getLogger(__name__)
@@ -126,7 +128,7 @@ class _Curve:
 def _head_config(config, target) -> eagle.EagleConfig:
   return eagle.EagleConfig.for_target(
       target.config, tuple(config.feature_layers) or None,
-      config.reduced_vocab)
+      config.reduced_vocab or None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,8 +261,8 @@ def train(config: ml_collections.ConfigDict, workdir) -> eagle.EagleDrafter:
               "train_hours": float(state["seconds"]) / 3600,
               "final": curve.records[-1] if curve.records else None,
               "config": config.to_dict()}
-  eagle.save_head(workdir / "head", drafter, metadata,
-                  config.storage_dtype or None)
+  eagle3.save_eagle3(drafter, workdir / "head",
+                     config.storage_dtype or "float32", metadata)
   if curve.records:
     plots.save_figures(curve.records, str(workdir),
                        {"learning_curve.png": plots.learning_curve_figure})

@@ -1,7 +1,8 @@
 """The tree ablation: draft trees against chains at a similar verify budget.
 
 Each shape is a chain of gamma drafts (`ModelDrafter`) or a tree template
-(`TreeDrafter`), drafted by the same draft model. For every (temperature,
+(`TreeDrafter`), drafted by the same draft model, or each by the same EAGLE-3
+head (`--config.drafter=eagle3`). For every (temperature,
 shape) the ablation runs AR and SD side by side on the same prompts and times
 the cycle's parts between their batches (`gamma_sweep.measure_row`, as the gamma
 sweep does), then sets beside the measured speedup what the acceptance by
@@ -27,6 +28,7 @@ from experiments.harness import config as config_lib
 from spec_jax.decoding import pad_prompts
 from spec_jax.draft_tree import TreeTemplate
 from spec_jax.drafters import ModelDrafter, TreeDrafter
+from spec_jax.eagle import EagleDrafter
 
 _log = logging.getLogger(__name__)
 
@@ -40,12 +42,18 @@ def shapes(config: ml_collections.ConfigDict) -> list[tuple[str, object]]:
   return chains + trees
 
 
-def _drafter(draft, shape):
-  """(drafter, gamma, N, D) for a chain's gamma or a tree's template."""
-  if isinstance(shape, TreeTemplate):
-    return (TreeDrafter(draft, shape), shape.num_nodes, shape.num_nodes,
-            shape.depth)
-  return ModelDrafter(draft), shape, shape, shape
+def _drafter(drafter, shape):
+  """(drafter, gamma, N, D) for a chain's gamma or a tree's template, drawn
+  by the loaded draft model or by the EAGLE-3 head (--config.drafter=eagle3)."""
+  tree = shape if isinstance(shape, TreeTemplate) else None
+  if isinstance(drafter, EagleDrafter):
+    drafter = drafter.with_tree(tree)
+  else:
+    drafter = TreeDrafter(drafter.model, tree) if tree else ModelDrafter(
+        drafter.model)
+  if tree:
+    return drafter, tree.num_nodes, tree.num_nodes, tree.depth
+  return drafter, shape, shape, shape
 
 
 def _row(name: str, num_nodes: int, depth: int, run: dict,
@@ -79,8 +87,7 @@ def tree_ablation(config: ml_collections.ConfigDict, loaded: loading.Loaded,
                   prompts) -> list[dict]:
   """Runs every (temperature, shape) of config on the same prompts; one row
   each, with a progress line."""
-  draft = loaded.drafter.model
-  variants = [(name, *_drafter(draft, shape))
+  variants = [(name, *_drafter(loaded.drafter, shape))
               for name, shape in shapes(config)]
   temperatures = config_lib.temperatures(config)
   prompts = loading.Prompts.of(prompts)

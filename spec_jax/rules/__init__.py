@@ -20,10 +20,12 @@ from its key and one token from that law; the enumeration tests run
 
 from spec_jax.rules.block import resample_block
 from spec_jax.rules.token import (acceptance_probs, correction_probs,
-                                  draft_token_probs, overlap, resample)
+                                  draft_token_probs, overlap,
+                                  point_mass_acceptance, resample)
 from spec_jax.rules.tree import UNUSED, resample_tree, tree_depth
 
 __all__ = [
     "UNUSED", "acceptance_probs", "correction_probs", "draft_token_probs",
-    "overlap", "resample", "resample_block", "resample_tree", "tree_depth",
+    "overlap", "point_mass_acceptance", "resample", "resample_block",
+    "resample_tree", "tree_depth",
 ]

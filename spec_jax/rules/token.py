@@ -157,3 +157,17 @@ def overlap(draft_probs: jax.Array, target_probs: jax.Array) -> jax.Array:
   """
   gamma = draft_probs.shape[1]
   return jnp.minimum(draft_probs, target_probs[:, :gamma]).sum(-1)
+
+
+def point_mass_acceptance(draft_probs: jax.Array,
+                          target_probs: jax.Array) -> jax.Array:
+  """sum_x q_i(x) p_i(x) per draft position: [B, G].
+
+  The acceptance probability at position i, averaged over q_i, of a verifier
+  that treats the draft x as a point mass (q one-hot at x): it accepts with
+  min(1, p(x) / 1) = p(x). That rule is exact too (rejection sampling from
+  any proposal law is), but accepts no more than min(1, p(x) / q(x)) at
+  every x, hence `overlap` >= this.
+  """
+  gamma = draft_probs.shape[1]
+  return (draft_probs * target_probs[:, :gamma]).sum(-1)
