@@ -308,9 +308,11 @@ class EagleDrafter:
           f"the EAGLE head reads features {self.config.target_hidden_size} "
           f"wide, but the target's d_model is {target.config.d_model}: load "
           "the head with the target it was trained for.")
-    if max(self.target_layers) > target.config.num_layers:
+    if (min(self.target_layers) < 0
+        or max(self.target_layers) > target.config.num_layers):
       raise ValueError(f"feature layers {self.target_layers}: the target has "
-                       f"{target.config.num_layers} blocks.")
+                       f"blocks 0..{target.config.num_layers - 1} (and "
+                       f"{target.config.num_layers}, the last one's output).")
     if self.template and (max(self.template.branching)
                           > self.config.draft_vocab_size):
       raise ValueError(

@@ -44,6 +44,16 @@ def settings(config: dict) -> dict:
           "norm_before_residual", "transformer_layer_config" in config))
 
 
+def feature_layers(config: dict, num_layers: int) -> list[int]:
+  """The target blocks whose inputs the head reads, low to high: the
+  config's eagle_aux_hidden_state_layer_ids name block outputs (output i is
+  block i + 1's input); without them, blocks 2, L // 2 and L - 3."""
+  ids = config.get("eagle_aux_hidden_state_layer_ids")
+  if ids is None:
+    return sorted({2, num_layers // 2, num_layers - 3})
+  return sorted(i + 1 for i in ids)
+
+
 def layer(w: dict, s: dict, hidden, tokens, table):
   """The decoder layer over pairs (hidden [T, H], tokens [T]) at positions
   0..T-1: (pre-norm outputs [T, H], draft-vocabulary logits [T, K])."""
@@ -79,13 +89,14 @@ def layer(w: dict, s: dict, hidden, tokens, table):
 
 
 def greedy_drafts(tensors: dict, config: dict, features, tokens,
-                  target_table, steps: int):
+                  target_table, steps: int, wrong: dict | None = None):
   """One row: features [n, F * H_t] (the target's, concatenated low to high)
   over the prompt tokens[:n], tokens [n + 1]. Returns drafts [steps] (target
   ids) and full-vocabulary logits [steps, V], -inf off the draft
-  vocabulary."""
+  vocabulary. `wrong` overrides settings: a deliberately wrong layer, for
+  the negative control."""
   w = {name: np.asarray(t, np.float64) for name, t in tensors.items()}
-  s = settings(config)
+  s = {**settings(config), **(wrong or {})}
   table = w.get("embed_tokens.weight", target_table)
   vocab = table.shape[0]
   draft_ids = np.asarray(tensors["d2t"]) + np.arange(len(tensors["d2t"]))

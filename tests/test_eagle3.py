@@ -75,15 +75,18 @@ def targets(gpt2_target, gemma_target):
   return {"gpt2": gpt2_target, "gemma": gemma_target}
 
 
-def reference_drafts(target, config, tensors, tokens, feature_layers):
-  """The reference's drafts and logits for each row of tokens [B, n + 1]."""
+def reference_drafts(target, config, tensors, tokens, wrong=None):
+  """The reference's drafts and logits for each row of tokens [B, n + 1],
+  on the target features the reference selects from the config."""
   prompt = jnp.asarray(tokens[:, :-1])
+  layers = tuple(reference.feature_layers(config, target.config.num_layers))
   _, _, hidden = target.forward(prompt, target.init_cache(*prompt.shape),
-                                hidden_layers=feature_layers)
+                                hidden_layers=layers)
   features = np.concatenate([np.asarray(h, np.float64) for h in hidden], -1)
   table = np.asarray(target.params["embed"]["embedding"], np.float64)
   rows = [reference.greedy_drafts(tensors, config, features[b], tokens[b],
-                                  table, STEPS) for b in range(len(tokens))]
+                                  table, STEPS, wrong)
+          for b in range(len(tokens))]
   return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
 
 
@@ -95,8 +98,8 @@ def test_greedy_drafts_equal_the_reference(tmp_path, targets, name):
   tokens = np.random.default_rng(1).integers(0, 16, (3, 7)).astype(np.int32)
   drafts, logits = eagle.greedy_drafts(target, drafter, jnp.asarray(tokens),
                                        STEPS)
-  expected_drafts, expected_logits = reference_drafts(
-      target, config, tensors, tokens, drafter.target_layers)
+  expected_drafts, expected_logits = reference_drafts(target, config,
+                                                      tensors, tokens)
   np.testing.assert_array_equal(drafts, expected_drafts)
   logits = np.asarray(logits)
   in_vocab = np.broadcast_to(tensors["t2d"], logits.shape)
@@ -111,6 +114,25 @@ def test_greedy_drafts_equal_the_reference(tmp_path, targets, name):
     np.testing.assert_allclose(alone[1][0], logits[row], atol=1e-5)
 
 
+@pytest.mark.parametrize("name,wrong", [
+    ("minimal", {"theta": 1e6}),  # the target's rotary base, not the head's
+    ("full", {"norm_before_residual": True}),
+    ("speculators", {"norm_before_residual": False}),
+])
+def test_the_parity_check_rejects_a_wrong_layer(tmp_path, targets, name,
+                                                wrong):
+  """Negative control: the same comparison against a reference with one
+  setting wrong finds logits more than 1e-4 apart."""
+  target = targets[VARIANTS[name]["target"]]
+  folder, config, tensors = make_head(tmp_path, name)
+  drafter = sj.load_eagle3(folder, target)
+  tokens = np.random.default_rng(1).integers(0, 16, (3, 7)).astype(np.int32)
+  _, logits = eagle.greedy_drafts(target, drafter, jnp.asarray(tokens), STEPS)
+  _, expected = reference_drafts(target, config, tensors, tokens, wrong)
+  in_vocab = np.broadcast_to(tensors["t2d"], expected.shape)
+  assert np.abs(np.asarray(logits)[in_vocab] - expected[in_vocab]).max() > 1e-2
+
+
 def test_settings_are_read_as_published(tmp_path, targets):
   minimal = sj.load_eagle3(make_head(tmp_path, "minimal")[0],
                            targets["gemma"]).config
@@ -118,7 +140,7 @@ def test_settings_are_read_as_published(tmp_path, targets):
   # target's 1e6) and the target's table.
   assert (minimal.head_dim, minimal.rope_theta) == (8, 10_000.0)
   assert not minimal.own_embedding
-  assert minimal.feature_layers == eagle.default_feature_layers(3)
+  assert minimal.feature_layers == (0, 1, 2)  # 2, L // 2, L - 3 of 3 blocks
   full = sj.load_eagle3(make_head(tmp_path, "full")[0], targets["gpt2"]).config
   assert (full.head_dim, full.rope_theta, full.target_hidden_size) == (
       16, 1e6, 32)
@@ -126,6 +148,8 @@ def test_settings_are_read_as_published(tmp_path, targets):
   spec = sj.load_eagle3(make_head(tmp_path, "speculators")[0],
                         targets["gpt2"])
   assert spec.config.norm_before_residual and spec.vocab_ids is None
+  # Listed (1, 0, 2): fused in block order, as the engines capture them.
+  assert spec.config.feature_layers == (1, 2, 3)
 
 
 def test_save_then_load_gives_identical_drafts(tmp_path, targets):
@@ -249,6 +273,9 @@ def test_bad_heads_are_refused_with_the_file_and_tensor(tmp_path, targets,
       change_tensors=lambda t: t.update(
           {"fc.weight": np.zeros((48, 72), np.float32)}),
       match="features 24 wide, but the target's d_model is 32")
+  bad(change_config=lambda c: c.update(
+      eagle_aux_hidden_state_layer_ids=[0, 0, 1]),
+      match="names a layer twice")
   bad(change_tensors=lambda t: t.update(d2t=t["d2t"] + 1),
       match="d2t and t2d disagree")
   bad(change_tensors=lambda t: t.pop("t2d"), match="no 't2d'")
@@ -264,7 +291,7 @@ def test_bad_heads_are_refused_with_the_file_and_tensor(tmp_path, targets,
   wrong = dict(config)
   del wrong["hidden_size"]
   rewrite(folder, wrong, tensors)
-  refused(folder, target, ValueError, "has no 'hidden_size'")
+  refused(folder, target, ValueError, "has no usable 'hidden_size'")
 
 
 def _raise(error):

@@ -114,6 +114,28 @@ def test_a_changed_config_is_not_resumed_into(bundle, tmp_path, monkeypatch):
                                 **dict(SETTINGS, top_k=4))
 
 
+def test_a_cache_of_other_layers_is_refused(bundle, tmp_path, distilled,
+                                            monkeypatch):
+  """A finished cache opens only for the layers it holds; a staging folder
+  resumes only for them."""
+  del distilled
+  path = tmp_path / "features"
+  eagle_data.distill_features(bundle, PROMPTS, path, **SETTINGS)
+  eagle_data.FeatureCache.open(path, SETTINGS["layers"])
+  other = tuple(reversed(SETTINGS["layers"]))
+  with pytest.raises(ValueError, match="holds the inputs of blocks"):
+    eagle_data.FeatureCache.open(path, other)
+  interrupted, _ = _raise_on_second_call(
+      eagle_data._decode_with_features)  # pylint: disable=protected-access
+  monkeypatch.setattr(eagle_data, "_decode_with_features", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    eagle_data.distill_features(bundle, PROMPTS, tmp_path / "staged",
+                                **SETTINGS)
+  with pytest.raises(ValueError, match="features of other blocks"):
+    eagle_data.distill_features(bundle, PROMPTS, tmp_path / "staged",
+                                **dict(SETTINGS, layers=other))
+
+
 def test_prompts_too_long_for_the_cache_are_refused(bundle, tmp_path):
   with pytest.raises(ValueError, match="raise seq_len"):
     eagle_data.distill_features(bundle, [list(range(30))],

@@ -196,7 +196,7 @@ def distill_features(bundle: ModelBundle, prompts: list[list[int]], path, *,
   if not prompts:
     raise ValueError(f"no prompt fits in {limit} tokens: raise seq_len or "
                      "lower max_new_tokens.")
-  staging = _Staging(path, len(prompts), length, len(layers),
+  staging = _Staging(path, len(prompts), length, layers,
                      bundle.model.config.d_model, top_k)
   sampling = decoding.Sampling(temperature=temperature)
   stop_ids = np.asarray(bundle.stop_ids or (-1,))
@@ -252,7 +252,7 @@ class FeatureCache:
   float16, the inputs of the F feature layers; top_ids [N, T, K] int32 and
   top_logits [N, T, K] float16, the target's K largest logits at each
   position from loss_from (its law there truncated to them; the first is
-  its argmax).
+  its argmax). layers.json beside them names the feature layers.
   """
 
   tokens: np.ndarray
@@ -277,8 +277,19 @@ class FeatureCache:
             "top_logits": ((num, length, top_k), np.float16)}
 
   @classmethod
-  def open(cls, path) -> "FeatureCache":
+  def open(cls, path, layers: tuple[int, ...]) -> "FeatureCache":
+    """The cache at path, which must hold the features of `layers`.
+
+    Raises:
+      ValueError: it holds other layers' (made for another head config).
+    """
     path = pathlib.Path(path)
+    stored = json.loads((path / "layers.json").read_text())
+    if tuple(stored) != tuple(layers):
+      raise ValueError(
+          f"the feature cache at {path} holds the inputs of blocks "
+          f"{tuple(stored)}, but the head reads {tuple(layers)}; use another "
+          "workdir, or delete the cache to make it again.")
     return cls(*(np.load(path / f"{name}.npy", mmap_mode="r")
                  for name in cls.FIELDS))
 
@@ -294,14 +305,23 @@ class _Staging:
   interrupted writer resumes after them. `finish` renames the folder to
   path, so a FeatureCache at path is always whole."""
 
-  def __init__(self, path, num: int, length: int, num_layers: int, dim: int,
-               top_k: int):
-    self.path = pathlib.Path(path)
+  def __init__(self, path, num: int, length: int, layers: tuple[int, ...],
+               dim: int, top_k: int):
+    self.path, self.layers = pathlib.Path(path), tuple(layers)
     self.folder = self.path.with_name(self.path.name + ".partial")
     self.folder.mkdir(parents=True, exist_ok=True)
+    num_layers = len(layers)
     progress = self.folder / "progress.json"
     self.rows_done = (json.loads(progress.read_text())["rows"]
                       if progress.exists() else 0)
+    layers_file = self.folder / "layers.json"
+    if self.rows_done and tuple(json.loads(
+        layers_file.read_text())) != self.layers:
+      raise ValueError(
+          f"{self.folder} holds the features of other blocks than "
+          f"{self.layers}: the config changed since it was started. Delete "
+          "the folder to start over.")
+    records.write_json(layers_file, list(self.layers))
     self.arrays = {}
     for name, (shape, dtype) in FeatureCache.layout(
         num, length, num_layers, dim, top_k).items():
@@ -341,7 +361,7 @@ class _Staging:
     self.arrays = {}
     (self.folder / "progress.json").unlink(missing_ok=True)
     self.folder.rename(self.path)
-    return FeatureCache.open(self.path)
+    return FeatureCache.open(self.path, self.layers)
 
 
 @functools.partial(jax.jit, static_argnames=("layers", "top_k"))
@@ -359,7 +379,7 @@ def extract_features(target: Model, sequences: list[np.ndarray], path, *,
   """Runs the target once over every sequence (truncated to `length`) and
   writes a FeatureCache at path (resuming after the last batch written)."""
   num = len(sequences)
-  staging = _Staging(path, num, length, len(layers), target.config.d_model,
+  staging = _Staging(path, num, length, layers, target.config.d_model,
                      top_k)
   start, resumed_at = time.perf_counter(), staging.rows_done
   for first in range(resumed_at, num, batch_size):

@@ -65,7 +65,7 @@ def features(config: ml_collections.ConfigDict, bundle: ModelBundle,
   """The feature cache at workdir/features, made on the first run."""
   path = workdir / "features"
   if path.exists():
-    return eagle_data.FeatureCache.open(path)
+    return eagle_data.FeatureCache.open(path, layers)
   if config.data == "corpus":
     return eagle_data.extract_features(
         bundle.model, eagle_data.corpus_sequences(

@@ -15,6 +15,7 @@ load. Every refusal names the file and the key or tensor at fault.
 
 import dataclasses
 import json
+import logging
 import pathlib
 
 import jax.numpy as jnp
@@ -23,8 +24,10 @@ import safetensors.numpy
 
 from spec_jax.eagle import EagleConfig, EagleDrafter, default_feature_layers
 from spec_jax.io import files
-from spec_jax.io.hf import _rope
+from spec_jax.io.hf import rope_settings
 from spec_jax.model import Model
+
+_log = logging.getLogger(__name__)
 
 # Boolean keys a config may set to true without changing the computation.
 _HARMLESS_FLAGS = {"use_cache", "tie_word_embeddings", "embed_requires_grad",
@@ -103,13 +106,17 @@ def _config(hf: dict, where: str, target: Model,
   aux = hf.get("eagle_aux_hidden_state_layer_ids",
                (hf.get("eagle_config") or {}).get(
                    "eagle_aux_hidden_state_layer_ids"))
+  # The engines capture the layers in block order, whatever the list's.
   feature_layers = (default_feature_layers(target.config.num_layers)
-                    if aux is None else tuple(int(i) + 1 for i in aux))
+                    if aux is None else tuple(sorted(int(i) + 1 for i in aux)))
+  if len(set(feature_layers)) != len(feature_layers):
+    raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {aux} "
+                     "names a layer twice.")
   vocab_size = layer.get("vocab_size", hf.get("vocab_size"))
   try:
     if vocab_size is None:
       raise KeyError("vocab_size")
-    theta, scaling = _rope(layer)
+    theta, scaling = rope_settings(layer)
     hidden_size = int(layer["hidden_size"])
     heads = int(layer["num_attention_heads"])
     config = EagleConfig(
@@ -129,7 +136,10 @@ def _config(hf: dict, where: str, target: Model,
         norm_before_residual=norm_before_residual,
         own_embedding="embed_tokens.weight" in tensors)
   except KeyError as error:
-    raise ValueError(f"{where} has no {error.args[0]!r}.") from None
+    raise ValueError(f"{where} has no usable {error.args[0]!r}.") from None
+  except TypeError as error:  # a null or non-numeric size
+    raise ValueError(f"{where} holds a setting of the wrong type "
+                     f"({error}).") from None
   except ValueError as error:  # EagleConfig's own checks
     raise ValueError(f"{where}: {error}") from None
   if config.vocab_size != target.vocab_size:
@@ -144,7 +154,11 @@ def _read_tensors(folder: pathlib.Path) -> tuple[dict, pathlib.Path]:
   """{name: numpy array} from model.safetensors or pytorch_model.bin."""
   path = folder / "model.safetensors"
   if path.exists():
-    return safetensors.numpy.load_file(str(path)), path
+    try:
+      return safetensors.numpy.load_file(str(path)), path
+    except Exception as error:  # safetensors raises its own error types
+      raise ValueError(f"{path} is not a readable safetensors file "
+                       f"({type(error).__name__}: {error}).") from None
   path = folder / "pytorch_model.bin"
   if not path.exists():
     raise FileNotFoundError(
@@ -157,7 +171,11 @@ def _read_tensors(folder: pathlib.Path) -> tuple[dict, pathlib.Path]:
         f"{path} is a torch pickle, which needs torch to read: install "
         "torch (CPU is enough), or convert the head to model.safetensors."
     ) from None
-  state = torch.load(path, map_location="cpu", weights_only=True)
+  try:
+    state = torch.load(path, map_location="cpu", weights_only=True)
+  except Exception as error:  # pickle, zip and torch errors alike
+    raise ValueError(f"{path} is not a readable torch checkpoint "
+                     f"({type(error).__name__}: {error}).") from None
   return {name: (t.float() if t.is_floating_point() else t).numpy()
           for name, t in state.items()}, path
 
@@ -237,6 +255,8 @@ def load_eagle3(path, target: Model, dtype: str = "float32") -> EagleDrafter:
     hf = json.loads(config_path.read_text())
   except json.JSONDecodeError as error:
     raise ValueError(f"{config_path} is not JSON ({error}).") from None
+  if not isinstance(hf, dict):
+    raise ValueError(f"{config_path} holds no JSON object.")
   tensors, weights_path = _read_tensors(folder)
   config, prefix = _config(hf, str(config_path), target, tensors)
   config = dataclasses.replace(config, dtype=dtype)
@@ -244,7 +264,10 @@ def load_eagle3(path, target: Model, dtype: str = "float32") -> EagleDrafter:
   vocab_ids = _vocab_ids(tensors, config, str(weights_path))
   drafter = EagleDrafter(target, params, config,
                          None if vocab_ids is None else jnp.asarray(vocab_ids))
-  drafter.validate(target, 0)
+  try:
+    drafter.validate(target, 0)
+  except ValueError as error:
+    raise ValueError(f"{config_path}: {error}") from None
   return drafter
 
 
@@ -286,6 +309,19 @@ def config_json(config: EagleConfig, dtype: str = "bfloat16") -> dict:
   return hf
 
 
+def servable_problems(config: EagleConfig, num_layers: int) -> list[str]:
+  """Why the serving engines (vLLM, SGLang) could not feed this head what
+  it was trained on: they fuse exactly three feature layers, and capture
+  the inputs of blocks 0..L - 1, not the last block's output."""
+  problems = []
+  if len(config.feature_layers) != 3:
+    problems.append(f"{len(config.feature_layers)} feature layers, not 3")
+  if max(config.feature_layers) >= num_layers:
+    problems.append(f"feature layer {max(config.feature_layers)} is the "
+                    "last block's output")
+  return problems
+
+
 def save_eagle3(drafter: EagleDrafter, path, dtype: str = "bfloat16",
                 metadata: dict | None = None) -> None:
   """Writes the head as a SpecForge folder, atomically: config.json and
@@ -294,20 +330,22 @@ def save_eagle3(drafter: EagleDrafter, path, dtype: str = "bfloat16",
   tools ignore it).
 
   Raises:
-    ValueError: a feature layer that the published format cannot name (the
-      embedding output, 0).
+    ValueError: a draft vocabulary that names a token twice.
   """
   config = drafter.config
-  if min(config.feature_layers) < 1:
-    raise ValueError(
-        f"feature layers {config.feature_layers}: the published format names "
-        "block outputs, so layer 0 (the embedding output) cannot be saved.")
+  problems = servable_problems(config, drafter.target.config.num_layers)
+  if problems:
+    _log.warning("%s: %s; spec_jax loads it, the serving engines may not.",
+                 path, "; ".join(problems))
   storage = np.dtype(jnp.dtype(dtype))
   vocab_ids = (np.arange(config.vocab_size) if drafter.vocab_ids is None
                else np.asarray(drafter.vocab_ids, np.int64))
   # The format lists the draft vocabulary in ascending target ids.
   order = np.argsort(vocab_ids, kind="stable")
   vocab_ids = vocab_ids[order]
+  if np.any(np.diff(vocab_ids) == 0):
+    raise ValueError("the head's vocab_ids name a token twice; a draft "
+                     "vocabulary lists distinct target ids.")
   tensors = {}
   for name, (path_in, rows, _) in _layer_names("midlayer.", config).items():
     value = np.asarray(drafter.params[path_in[0]][path_in[1]], np.float32)

@@ -65,7 +65,7 @@ def family_of(config: TransformerConfig) -> families.Family:
       "mlp, biases...) that its record in spec_jax/io/families.py sets.")
 
 
-def _rope(hf: dict, layer_type: str | None = None
+def rope_settings(hf: dict, layer_type: str | None = None
           ) -> tuple[float, RopeScaling | None]:
   """rope_theta and the Llama-3 or linear scaling, from either config.json
   style.
@@ -132,11 +132,11 @@ def _read_keys(hf: dict, family: families.Family) -> dict:
 def _rope_fields(hf: dict, family: families.Family) -> dict:
   """rope_theta and rope_scaling; rope_local_theta too where the family's
   sliding layers have their own base."""
-  theta, scaling = _rope(
+  theta, scaling = rope_settings(
       hf, "full_attention" if family.global_every is not None else None)
   fields = dict(rope_theta=theta, rope_scaling=scaling)
   if family.local_rope:
-    local_theta, local_scaling = _rope(
+    local_theta, local_scaling = rope_settings(
         dict(hf, rope_theta=hf.get("rope_local_base_freq", 10_000.0),
              rope_scaling=None), "sliding_attention")
     if local_scaling is not None:
