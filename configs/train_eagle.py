@@ -49,10 +49,10 @@ def get_config(arg="builtin"):
   # drafts over the K tokens most often the target's argmax (the published
   # draft_vocab_size, d2t and t2d); 0 over the whole vocabulary. Either way
   # the head's lm_head starts as the target's output rows.
-  # Low, middle, high of the 6 blocks: EAGLE-3's rule gives 2, 3, 3; the
-  # high one is the last block's input, the highest a serving engine
-  # captures (published ids 1, 2, 4).
-  config.feature_layers = (2, 3, 5)
+  # Low, middle, last of the 6 blocks (the shipped head's). The serving
+  # engines capture block inputs only, not the last block's output (6), so
+  # a head meant for them reads e.g. (2, 3, 5); save_eagle3 warns.
+  config.feature_layers = (2, 4, 6)
   config.reduced_vocab = 0
   # The target's law is stored truncated to its top_k logits.
   config.top_k = 32

@@ -71,6 +71,8 @@ def _row(name: str, num_nodes: int, depth: int, run: dict,
       "tokens_per_cycle": sd["tokens_per_cycle"],
       "nodes_per_cycle": sd["nodes_per_cycle"],
       "alpha_min_pq": sd["mean_overlap"],
+      # The same drafts' acceptance under a point-mass (one-hot q) verifier.
+      "alpha_point_mass": sd["mean_point_mass_acceptance"],
       # P(the accepted path reaches depth d), d = 1..D.
       "depth_acceptance": depth_acceptance,
       **costs.as_row(),
