@@ -208,8 +208,12 @@ def assert_state_from_scratch(state, drafter, target):
   np.testing.assert_array_equal(ours.tokens, theirs.tokens)
 
 
-@pytest.mark.parametrize("resample", [accept_all, reject_all, sj.resample,
-                                      "tree"])
+# The real rule runs by default; the forced extremes and the tree (about 35 s
+# each) with the slow set.
+@pytest.mark.parametrize("resample", [
+    pytest.param(accept_all, marks=pytest.mark.slow),
+    pytest.param(reject_all, marks=pytest.mark.slow), sj.resample,
+    pytest.param("tree", marks=pytest.mark.slow)])
 def test_head_state_equals_a_prefill_after_every_cycle(target, head,
                                                        resample):
   drafter = head.with_tree(TREE) if resample == "tree" else head
