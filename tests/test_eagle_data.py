@@ -85,14 +85,21 @@ def _raise_on_second_call(function):
   return wrapped, calls
 
 
-def test_distillation_resumes_after_the_last_batch_written(
-    bundle, distilled, tmp_path, monkeypatch):
+def _interrupt_after_one_batch(bundle, path, monkeypatch) -> list:
+  """Distills into path and stops at the second batch, as a Ctrl-C would;
+  returns the list that counts the decode calls from then on."""
   interrupted, calls = _raise_on_second_call(
       eagle_data._decode_with_features)  # pylint: disable=protected-access
   monkeypatch.setattr(eagle_data, "_decode_with_features", interrupted)
   with pytest.raises(KeyboardInterrupt):
-    eagle_data.distill_features(bundle, PROMPTS, tmp_path / "features",
-                                **SETTINGS)
+    eagle_data.distill_features(bundle, PROMPTS, path, **SETTINGS)
+  return calls
+
+
+def test_distillation_resumes_after_the_last_batch_written(
+    bundle, distilled, tmp_path, monkeypatch):
+  calls = _interrupt_after_one_batch(bundle, tmp_path / "features",
+                                     monkeypatch)
   assert not (tmp_path / "features").exists()  # only whole caches there
   resumed = eagle_data.distill_features(bundle, PROMPTS,
                                         tmp_path / "features", **SETTINGS)
@@ -103,34 +110,22 @@ def test_distillation_resumes_after_the_last_batch_written(
 
 
 def test_a_changed_config_is_not_resumed_into(bundle, tmp_path, monkeypatch):
-  interrupted, _ = _raise_on_second_call(
-      eagle_data._decode_with_features)  # pylint: disable=protected-access
-  monkeypatch.setattr(eagle_data, "_decode_with_features", interrupted)
-  with pytest.raises(KeyboardInterrupt):
-    eagle_data.distill_features(bundle, PROMPTS, tmp_path / "features",
-                                **SETTINGS)
+  _interrupt_after_one_batch(bundle, tmp_path / "features", monkeypatch)
   with pytest.raises(ValueError, match="Delete the folder"):
     eagle_data.distill_features(bundle, PROMPTS, tmp_path / "features",
                                 **dict(SETTINGS, top_k=4))
 
 
-def test_a_cache_of_other_layers_is_refused(bundle, tmp_path, distilled,
-                                            monkeypatch):
+def test_a_cache_of_other_layers_is_refused(bundle, tmp_path, monkeypatch):
   """A finished cache opens only for the layers it holds; a staging folder
   resumes only for them."""
-  del distilled
   path = tmp_path / "features"
   eagle_data.distill_features(bundle, PROMPTS, path, **SETTINGS)
   eagle_data.FeatureCache.open(path, SETTINGS["layers"])
   other = tuple(reversed(SETTINGS["layers"]))
   with pytest.raises(ValueError, match="holds the inputs of blocks"):
     eagle_data.FeatureCache.open(path, other)
-  interrupted, _ = _raise_on_second_call(
-      eagle_data._decode_with_features)  # pylint: disable=protected-access
-  monkeypatch.setattr(eagle_data, "_decode_with_features", interrupted)
-  with pytest.raises(KeyboardInterrupt):
-    eagle_data.distill_features(bundle, PROMPTS, tmp_path / "staged",
-                                **SETTINGS)
+  _interrupt_after_one_batch(bundle, tmp_path / "staged", monkeypatch)
   with pytest.raises(ValueError, match="features of other blocks"):
     eagle_data.distill_features(bundle, PROMPTS, tmp_path / "staged",
                                 **dict(SETTINGS, layers=other))
