@@ -105,15 +105,18 @@ def draw_children(key, logits, probs, num_children: int, greedy: bool):
   return tokens.astype(jnp.int32), top > -jnp.inf
 
 
-def propose_tree(draft, cache: KVCache, tokens, lengths, key,
-                 template: TreeTemplate, sampling: Sampling):
-  """Draws a tree of template.num_nodes drafts: one draft pass per depth.
+def draw_tree(root_logits, expand, carry, key, template: TreeTemplate,
+              sampling: Sampling):
+  """Draws a tree of template.num_nodes drafts depth by depth, from the
+  root's logits and one `expand` per depth above the leaves.
 
   Args:
-    draft: the draft model (called as `Model.__call__`, with `parents=`).
-    cache: its cache, valid for at least the first `lengths - 2` positions.
-    tokens: [B, S] int32 sequences; tokens[b, lengths[b] - 1] is the root.
-    lengths: [B] int32 sequence lengths.
+    root_logits: [B, V] the draft's logits at the root.
+    expand: (carry, tokens [B, n], parents [B, n]) -> (logits [B, n, V],
+      carry): the draft run over the first n nodes (every node of depths
+      1..d), each under the tree mask; its logits at the depth-d nodes give
+      their children's q.
+    carry: what expand threads through (the draft's cache).
     key: PRNG key.
     template: the tree's shape.
     sampling: the transform that turns draft logits into q.
@@ -122,25 +125,14 @@ def propose_tree(draft, cache: KVCache, tokens, lengths, key,
     tree_tokens [B, N] int32; draft_probs [B, N+1, V] float32, q at each
     context node (index 0 the root, j + 1 node j), 0 at the leaves and at
     unused nodes; parents [B, N] int32 (`template.parents`, UNUSED where a
-    row has no such node); and the cache, node j written at slot lengths + j
-    for the nodes above depth D.
-
-  The root pass feeds the last two tokens, as `drafting.propose` does, which
-  rewrites a leaf the previous cycle accepted. The pass at depth d feeds every
-  node of depths 1..d, written at their slots under the tree mask (each sees
-  the context and its own ancestors): re-running the shallower nodes lets one
-  call's ancestor mask cover every ancestor, and costs little next to the
-  target's verify. Its logits at the depth-d nodes give their q.
+    row has no such node); and the carry.
   """
-  positions = jnp.maximum(lengths[:, None] + jnp.arange(-2, 0), 0)
-  logits, cache = draft(jnp.take_along_axis(tokens, positions, 1), cache,
-                        positions)
-  batch_size, vocab_size = logits.shape[0], logits.shape[-1]
+  batch_size, vocab_size = root_logits.shape
   num_nodes, starts = template.num_nodes, template.level_starts
   tree_tokens = jnp.zeros((batch_size, num_nodes), jnp.int32)
   parents = jnp.broadcast_to(template.parents, (batch_size, num_nodes))
   draft_probs = jnp.zeros((batch_size, num_nodes + 1, vocab_size))
-  context_logits = logits[:, -1:]  # [B, 1, V] at the root
+  context_logits = root_logits[:, None]  # [B, 1, V] at the root
   context_used = jnp.ones((batch_size, 1), bool)
   keys = jax.random.split(key, template.depth)
   for d, num_children in enumerate(template.branching):
@@ -158,10 +150,43 @@ def propose_tree(draft, cache: KVCache, tokens, lengths, key,
                                                  UNUSED))
     if d + 1 < template.depth:  # the leaves need no q
       shallow = slice(0, starts[d + 1])
-      logits, cache = draft(
-          tree_tokens[:, shallow], cache,
-          lengths[:, None] - 1 + template.depths[shallow],
-          parents=parents[:, shallow])
+      logits, carry = expand(carry, tree_tokens[:, shallow],
+                             parents[:, shallow])
       context_logits, context_used = logits[:, level], used
-  return tree_tokens, draft_probs, parents, cache
+  return tree_tokens, draft_probs, parents, carry
 
+
+def propose_tree(draft, cache: KVCache, tokens, lengths, key,
+                 template: TreeTemplate, sampling: Sampling):
+  """Draws a tree of template.num_nodes drafts from a draft model: one
+  draft pass per depth (`draw_tree`).
+
+  Args:
+    draft: the draft model (called as `Model.__call__`, with `parents=`).
+    cache: its cache, valid for at least the first `lengths - 2` positions.
+    tokens: [B, S] int32 sequences; tokens[b, lengths[b] - 1] is the root.
+    lengths: [B] int32 sequence lengths.
+    key: PRNG key.
+    template: the tree's shape.
+    sampling: the transform that turns draft logits into q.
+
+  Returns:
+    `draw_tree`'s, the carry being the cache, node j written at slot
+    lengths + j for the nodes above depth D.
+
+  The root pass feeds the last two tokens, as `drafting.propose` does, which
+  rewrites a leaf the previous cycle accepted. The pass at depth d feeds every
+  node of depths 1..d, written at their slots under the tree mask (each sees
+  the context and its own ancestors): re-running the shallower nodes lets one
+  call's ancestor mask cover every ancestor, and costs little next to the
+  target's verify. Its logits at the depth-d nodes give their q.
+  """
+  positions = jnp.maximum(lengths[:, None] + jnp.arange(-2, 0), 0)
+  logits, cache = draft(jnp.take_along_axis(tokens, positions, 1), cache,
+                        positions)
+
+  def expand(cache, nodes, parents):
+    depths = template.depths[:nodes.shape[1]]
+    return draft(nodes, cache, lengths[:, None] - 1 + depths, parents=parents)
+
+  return draw_tree(logits[:, -1], expand, cache, key, template, sampling)

@@ -51,13 +51,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from spec_jax.draft_tree import TreeTemplate, draw_children
+from spec_jax.draft_tree import TreeTemplate, draw_tree
 from spec_jax.drafting import DraftLoop, Proposal, check_vocabulary
 from spec_jax.kv_cache import KVCache, init_cache, write
 from spec_jax.model import (Embed, Linear, Model, RopeScaling,
                             TransformerConfig, _attend, _split_qkv,
                             apply_rope, rope_frequencies, visible_slots)
-from spec_jax.rules.tree import UNUSED
 from spec_jax.sampling import Sampling
 
 
@@ -435,50 +434,29 @@ class EagleDrafter:
 
   def _propose_tree(self, state, target_cache, tokens, lengths, key,
                     sampling: Sampling) -> Proposal:
-    """A tree of the template's shape, depth by depth as
-    `draft_tree.propose_tree` draws one: the pass at depth d runs every
-    node of depths 1..d (each with its parent's output as hidden input) at
-    slots r + 1 + node under the tree mask, and its outputs at depth d give
-    their children's q."""
+    """A tree of the template's shape, drawn as `draft_tree.draw_tree`
+    draws a draft model's: the pass at depth d runs every node of depths
+    1..d (each with its parent's output as hidden input) at slots
+    r + 1 + node under the tree mask, and its outputs at depth d give their
+    children's q."""
     template = self.template
     root_a, root_logits, last, cache = self._first(state, tokens, lengths,
                                                    template.depth + 1)
-    batch_size, num_nodes = lengths.shape[0], template.num_nodes
-    starts = template.level_starts
-    tree_tokens = jnp.zeros((batch_size, num_nodes), jnp.int32)
-    parents = jnp.broadcast_to(template.parents, (batch_size, num_nodes))
-    node_a = jnp.zeros((batch_size, num_nodes) + root_a.shape[1:],
-                       root_a.dtype)
-    draft_probs = jnp.zeros((batch_size, num_nodes + 1, self.vocab_size))
-    context_logits = root_logits[:, None]  # [B, 1, V] at the root
-    context_used = jnp.ones((batch_size, 1), bool)
-    keys = jax.random.split(key, template.depth)
-    for d, num_children in enumerate(template.branching):
-      first = 0 if d == 0 else starts[d - 1] + 1
-      q = jnp.where(context_used[..., None], sampling.probs(context_logits),
-                    0.0)
-      draft_probs = draft_probs.at[:, first:first + q.shape[1]].set(q)
-      children, used = draw_children(keys[d], context_logits, q,
-                                     num_children, sampling.greedy)
-      level = slice(starts[d], starts[d + 1])
-      tree_tokens = tree_tokens.at[:, level].set(
-          children.reshape(batch_size, -1))
-      used = (used & context_used[..., None]).reshape(batch_size, -1)
-      parents = parents.at[:, level].set(jnp.where(used, parents[:, level],
-                                                   UNUSED))
-      if d + 1 < template.depth:  # the leaves need no q
-        shallow = slice(0, starts[d + 1])
-        node_parents = parents[:, shallow]
-        hidden = jnp.where(
-            (node_parents >= 0)[..., None],
-            _tree_rows(node_a, jnp.maximum(node_parents, 0)),
-            root_a[:, None])
-        a, logits, cache = self._run(
-            tree_tokens[:, shallow], hidden,
-            last[:, None] + template.depths[shallow], cache,
-            parents=node_parents)
-        node_a = node_a.at[:, shallow].set(a)
-        context_logits, context_used = logits[:, level], used
+    node_a = jnp.zeros((lengths.shape[0], template.num_nodes)
+                       + root_a.shape[1:], root_a.dtype)
+
+    def expand(carry, nodes, parents):
+      cache, node_a = carry
+      hidden = jnp.where((parents >= 0)[..., None],
+                         _tree_rows(node_a, jnp.maximum(parents, 0)),
+                         root_a[:, None])
+      depths = template.depths[:nodes.shape[1]]
+      a, logits, cache = self._run(nodes, hidden, last[:, None] + depths,
+                                   cache, parents=parents)
+      return logits, (cache, node_a.at[:, :nodes.shape[1]].set(a))
+
+    tree_tokens, draft_probs, parents, (cache, _) = draw_tree(
+        root_logits, expand, (cache, node_a), key, template, sampling)
     return Proposal(tree_tokens, draft_probs,
                     EagleState(self._done(cache, lengths), state.features),
                     target_cache, parents)
