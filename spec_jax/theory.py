@@ -109,3 +109,39 @@ def speedup_from_depth_acceptance(depth_acceptance, draft_cost, verify_cost):
   return tokens_per_cycle_from_depth_acceptance(depth_acceptance) / (
       np.asarray(draft_cost) + np.asarray(verify_cost))
 
+
+
+def expected_emitted_tokens(conditional):
+  """E_b(k) = 1 + r_1 + r_1 r_2 + ... + r_1 ... r_k, for k = 0..G: [..., G+1].
+
+  conditional: [..., G] r_i = P(draft i accepted | drafts 1..i-1 were), a
+  row's estimate by position. A cycle of k drafts emits one token per
+  accepted draft and one more from the target, so E_b(0) = 1 is a plain
+  target step.
+  """
+  depth = np.cumprod(np.asarray(conditional, np.float64), axis=-1)
+  zeros = np.zeros(depth.shape[:-1] + (1,))
+  return 1 + np.cumsum(np.concatenate([zeros, depth], -1), axis=-1)
+
+
+def goodput_optimal_draft_length(conditional, active, draft_cost,
+                                 verify_cost) -> int:
+  """The K in 0..G that maximises the batch's expected tokens per unit cost,
+
+    K* = argmax_K  sum_b active_b E_b(K) / (K c + V(K)),
+
+  where c = draft_cost is a draft step and V(K) = verify_cost[K] a verify
+  pass that holds K drafts per row (the narrowest compiled width >= K + 1;
+  K = 0 is a plain target step), both in target steps at this batch size.
+
+  conditional: [B, G] each row's r_i (`expected_emitted_tokens`); active: [B]
+  bool; verify_cost: [G+1]. Why one K for the batch: the draft loop and
+  the verify pass have fixed shapes, so a cycle's cost depends only on the
+  longest proposal, while E_b grows with k; so every row proposes K*.
+  Ties go to the smaller K.
+  """
+  per_row = expected_emitted_tokens(conditional)  # [B, G+1]
+  tokens = np.where(np.asarray(active)[:, None], per_row, 0.0).sum(0)
+  lengths = np.arange(per_row.shape[-1])
+  cost = lengths * draft_cost + np.asarray(verify_cost, np.float64)
+  return int(np.argmax(tokens / cost))

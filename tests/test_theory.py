@@ -1,5 +1,7 @@
 """The i.i.d. model of Leviathan et al. (2023), against their Table 1."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -86,3 +88,74 @@ def test_speedup_from_depth_acceptance_is_tau_over_the_cycle_cost():
   assert tau == pytest.approx(2.3)
   assert theory.speedup_from_depth_acceptance(
       depth_acceptance, 0.2, 1.5) == pytest.approx(2.3 / 1.7)
+
+
+def test_expected_emitted_tokens_matches_a_direct_sum():
+  r = np.array([[0.9, 0.5, 0.2], [1.0, 0.0, 1.0]])
+  np.testing.assert_allclose(
+      theory.expected_emitted_tokens(r),
+      [[1, 1.9, 1.9 + 0.45, 1.9 + 0.45 + 0.09], [1, 2, 2, 2]])
+  # The last entry is tau of a full cycle.
+  np.testing.assert_allclose(
+      theory.expected_emitted_tokens(r)[:, -1],
+      theory.tokens_per_cycle_from_conditional_acceptance(r, 3))
+
+
+def _brute_force_goodput(conditional, active, draft_cost, verify_cost):
+  """Best batch goodput over every per-row choice of k_b in 0..G, with a
+  cycle costing by its longest proposal."""
+  num_rows, gamma = conditional.shape
+  per_row = theory.expected_emitted_tokens(conditional)
+  best = 0.0
+  for lengths in itertools.product(range(gamma + 1), repeat=num_rows):
+    longest = max((k for k, a in zip(lengths, active) if a), default=0)
+    tokens = sum(per_row[b, k] for b, k in enumerate(lengths) if active[b])
+    best = max(best, tokens / (longest * draft_cost + verify_cost[longest]))
+  return best
+
+
+def _random_batch(seed):
+  rng = np.random.default_rng(seed)
+  num_rows, gamma = rng.integers(1, 4), rng.integers(1, 5)
+  conditional = rng.uniform(0, 1, (num_rows, gamma)) ** rng.uniform(0.2, 3)
+  active = rng.uniform(size=num_rows) < 0.8
+  draft_cost = rng.uniform(0, 0.5)
+  # A verify of K drafts costs at least a step and grows with K.
+  verify_cost = np.concatenate([[1.0],
+                                1 + np.cumsum(rng.uniform(0, 0.6, gamma))])
+  return conditional, active, draft_cost, verify_cost
+
+
+def _goodput(k, conditional, active, draft_cost, verify_cost):
+  per_row = theory.expected_emitted_tokens(conditional)
+  return per_row[active, k].sum() / (k * draft_cost + verify_cost[k])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_goodput_optimal_draft_length_is_the_brute_force_optimum(seed):
+  batch = _random_batch(seed)
+  k = theory.goodput_optimal_draft_length(*batch)
+  assert 0 <= k <= batch[0].shape[1]
+  np.testing.assert_allclose(_goodput(k, *batch),
+                             _brute_force_goodput(*batch), rtol=1e-12)
+
+
+def test_brute_force_check_rejects_always_drafting_gamma():
+  """Negative control: the same check fails a policy that always drafts
+  gamma, on some of the same batches."""
+  misses = 0
+  for seed in range(20):
+    batch = _random_batch(seed)
+    gamma = batch[0].shape[1]
+    misses += _goodput(gamma, *batch) < _brute_force_goodput(*batch) - 1e-9
+  assert misses > 0
+
+
+def test_goodput_optimal_draft_length_stops_drafting_when_nothing_is_accepted():
+  verify_cost = np.array([1.0, 1.8, 2.0])
+  never = np.zeros((4, 2))
+  assert theory.goodput_optimal_draft_length(never, np.ones(4, bool), 0.05,
+                                             verify_cost) == 0
+  always = np.ones((4, 2))
+  assert theory.goodput_optimal_draft_length(always, np.ones(4, bool), 0.05,
+                                             verify_cost) == 2
