@@ -145,3 +145,20 @@ def goodput_optimal_draft_length(conditional, active, draft_cost,
   lengths = np.arange(per_row.shape[-1])
   cost = lengths * draft_cost + np.asarray(verify_cost, np.float64)
   return int(np.argmax(tokens / cost))
+
+
+def conditional_acceptance_estimate(accepted, tried, prior_rate: float,
+                                    prior_weight: float):
+  """Each row's r_i as a posterior mean: [..., G].
+
+    r_i = (accepted_i + w r0) / (tried_i + w),
+
+  with accepted_i and tried_i a row's counts of cycles in which draft i was
+  accepted and in which it was tried (proposed with drafts 1..i-1
+  accepted), r0 = prior_rate and w = prior_weight pseudo-trials (a Beta
+  prior), so that a row with no history drafts by the prior and a row's own
+  counts take over as they grow.
+  """
+  accepted = np.asarray(accepted, np.float64)
+  tried = np.asarray(tried, np.float64)
+  return (accepted + prior_weight * prior_rate) / (tried + prior_weight)

@@ -159,3 +159,10 @@ def test_goodput_optimal_draft_length_stops_drafting_when_nothing_is_accepted():
   always = np.ones((4, 2))
   assert theory.goodput_optimal_draft_length(always, np.ones(4, bool), 0.05,
                                              verify_cost) == 2
+
+
+def test_conditional_acceptance_estimate_moves_from_the_prior_to_the_counts():
+  estimate = theory.conditional_acceptance_estimate(
+      accepted=[[0, 0], [90, 9]], tried=[[0, 0], [100, 90]],
+      prior_rate=0.5, prior_weight=10)
+  np.testing.assert_allclose(estimate, [[0.5, 0.5], [95 / 110, 14 / 100]])
