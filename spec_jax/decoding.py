@@ -300,7 +300,8 @@ def _count(stats: DecodeStats, cycle: Cycle, active) -> DecodeStats:
         active=active, drafted=proposal.parents != rules.UNUSED,
         verified=on_path & (proposal.probs.sum(-1) > 0),
         num_accepted=cycle.num_accepted, overlap=overlap,
-        point_mass=point_mass)
+        point_mass=point_mass,
+        tried=jnp.arange(cycle.path.shape[1]) <= cycle.num_accepted[:, None])
   return stats.count_width(cycle.width)
 
 

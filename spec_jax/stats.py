@@ -34,6 +34,10 @@ class DecodeStats:
   # [B, G] cycles in which the row accepted draft i; for a tree [B, D],
   # cycles whose accepted path reached depth i + 1.
   accepted_per_position: jax.Array
+  # [B, G] cycles in which draft i was tried: proposed, with every draft
+  # before it accepted (for a tree [B, D], the path reached depth i). With
+  # accepted_per_position, a row's own conditional acceptance by position.
+  tried_per_position: jax.Array
   overlap_sum: jax.Array  # [B] sum over verified positions of sum_x min(p, q).
   # [B] sum over the same positions of sum_x q(x) p(x): what the same draft
   # laws would be accepted with by a verifier that treats each draft as a
@@ -58,6 +62,7 @@ class DecodeStats:
         cycles=jnp.zeros((), jnp.int32), row_cycles=row, drafted=row,
         accepted=row,
         accepted_per_position=jnp.zeros((batch_size, gamma), jnp.int32),
+        tried_per_position=jnp.zeros((batch_size, gamma), jnp.int32),
         overlap_sum=jnp.zeros((batch_size,), jnp.float32),
         point_mass_sum=jnp.zeros((batch_size,), jnp.float32), verified=row,
         width_cycles=jnp.zeros((num_widths,), jnp.int32))
@@ -82,10 +87,10 @@ class DecodeStats:
     # The accepted positions and the first rejected one.
     verified = proposed & (position <= num_accepted[:, None])
     return self.record(active, proposed, verified, num_accepted, overlap,
-                       point_mass)
+                       point_mass, tried=verified)
 
   def record(self, active, drafted, verified, num_accepted, overlap,
-             point_mass) -> "DecodeStats":
+             point_mass, tried) -> "DecodeStats":
     """The counters after one cycle of a chain or a tree.
 
     Args:
@@ -99,6 +104,8 @@ class DecodeStats:
       overlap: [B, M] sum_x min(p, q) at the same M positions or contexts.
       point_mass: [B, M] sum_x q(x) p(x) there (for a tree context, its
         first child's).
+      tried: [B, G] bool, the positions (depths) tried, as in
+        `tried_per_position`.
     """
     depth = self.accepted_per_position.shape[1]
     accepted = jnp.where(active, num_accepted, 0)
@@ -111,6 +118,7 @@ class DecodeStats:
         accepted=self.accepted + accepted,
         accepted_per_position=self.accepted_per_position + (
             jnp.arange(depth) < accepted[:, None]),
+        tried_per_position=self.tried_per_position + (active[:, None] & tried),
         overlap_sum=self.overlap_sum + jnp.where(verified, overlap, 0.0).sum(-1),
         point_mass_sum=self.point_mass_sum + jnp.where(
             verified, point_mass, 0.0).sum(-1),
@@ -127,6 +135,8 @@ class DecodeStats:
         accepted=rows(self.accepted, other.accepted),
         accepted_per_position=rows(self.accepted_per_position,
                                    other.accepted_per_position),
+        tried_per_position=rows(self.tried_per_position,
+                                other.tried_per_position),
         overlap_sum=rows(self.overlap_sum, other.overlap_sum),
         point_mass_sum=rows(self.point_mass_sum, other.point_mass_sum),
         verified=rows(self.verified, other.verified),
@@ -139,6 +149,7 @@ class DecodeStats:
     return self.replace(**{
         name: np.asarray(getattr(self, name))[keep] for name in (
             "row_cycles", "drafted", "accepted", "accepted_per_position",
+            "tried_per_position",
             "overlap_sum", "point_mass_sum", "verified")})
 
   @classmethod

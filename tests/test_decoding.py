@@ -70,6 +70,12 @@ def test_statistics_are_consistent(pair):
   assert (produced >= np.asarray(spec.num_tokens)).all()
   assert (produced - np.asarray(spec.num_tokens) <= 4).all()
   assert 0 < stats["mean_overlap"] < 1
+  # A draft model proposes every position: draft 1 is tried every row-cycle,
+  # draft i + 1 whenever draft i was accepted.
+  tried, accepted = (np.asarray(raw.tried_per_position),
+                     np.asarray(raw.accepted_per_position))
+  np.testing.assert_array_equal(tried[:, 0], raw.row_cycles)
+  np.testing.assert_array_equal(tried[:, 1:], accepted[:, :-1])
 
 
 def test_rows_do_not_depend_on_each_other(pair):

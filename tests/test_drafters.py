@@ -130,6 +130,10 @@ def test_dynamic_gamma_exits_the_draft_loop_early(pair4):
   stats = spec.stats.summary()
   assert stats["drafted"] == stats["row_cycles"]
   assert stats["accepted_per_position"][1:] == [0] * 5
+  # Only draft 1 was ever proposed, so nothing after it was tried.
+  tried = np.asarray(spec.stats.tried_per_position)
+  np.testing.assert_array_equal(tried[:, 0], spec.stats.row_cycles)
+  assert (tried[:, 1:] == 0).all()
   # The draft model ran once per cycle, so the while_loop exited at once:
   # count its calls through a traced counter in a host callback.
   calls = []

@@ -101,18 +101,21 @@ def test_stats_add_as_counters():
   one = sj.DecodeStats(cycles=np.int32(3), row_cycles=np.array([3]),
                        drafted=np.array([6]), accepted=np.array([6]),
                        accepted_per_position=np.array([[3, 3]]),
+                       tried_per_position=np.array([[3, 3]]),
                        overlap_sum=np.array([6.0]),
                        point_mass_sum=np.array([5.0]), verified=np.array([6]),
                        width_cycles=np.array([0, 3]))
   two = sj.DecodeStats(cycles=np.int32(4), row_cycles=np.array([1, 4]),
                        drafted=np.array([2, 8]), accepted=np.array([0, 2]),
                        accepted_per_position=np.array([[0, 0], [2, 0]]),
+                       tried_per_position=np.array([[1, 0], [4, 2]]),
                        overlap_sum=np.array([0.5, 2.5]),
                        point_mass_sum=np.array([0.25, 0.75]),
                        verified=np.array([1, 5]), width_cycles=np.array([1, 3]))
   merged = sj.DecodeStats.merge([one, two])
   assert int(merged.cycles) == 7 and merged.row_cycles.tolist() == [3, 1, 4]
   assert merged.width_cycles.tolist() == [1, 6]
+  assert merged.tried_per_position.tolist() == [[3, 3], [1, 0], [4, 2]]
   assert merged.acceptance_rate == pytest.approx(8 / 16)
   assert merged.tokens_per_cycle == pytest.approx((8 + 8) / 8)
   assert merged.accepted_per_cycle == pytest.approx(8 / 8)
@@ -128,6 +131,7 @@ def test_stats_leave_out_padding_rows():
   stats = sj.DecodeStats(cycles=np.int32(2), row_cycles=np.array([2, 2]),
                          drafted=np.array([4, 4]), accepted=np.array([1, 4]),
                          accepted_per_position=np.array([[1, 0], [2, 2]]),
+                         tried_per_position=np.array([[2, 1], [2, 2]]),
                          overlap_sum=np.array([1.0, 4.0]),
                          point_mass_sum=np.array([0.5, 3.0]),
                          verified=np.array([3, 4]),
@@ -136,3 +140,4 @@ def test_stats_leave_out_padding_rows():
   assert real.accepted.tolist() == [1] and int(real.cycles) == 2
   assert real.tokens_per_cycle == pytest.approx((1 + 2) / 2)
   assert real.summary()["accepted_per_position"] == [1, 0]
+  assert real.tried_per_position.tolist() == [[2, 1]]
