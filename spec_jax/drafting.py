@@ -178,6 +178,7 @@ def propose(
     sampling: Sampling,
     confidence_threshold: float = 0.0,
     feed_previous: bool = True,
+    max_drafts: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
   """Draws up to gamma tokens autoregressively from a draft model.
 
@@ -197,6 +198,10 @@ def propose(
       drafts at least one token. When every row has stopped, the loop exits
       and the remaining draft steps are not run. 0 drafts gamma tokens.
     feed_previous: feed the second-to-last token too; see below.
+    max_drafts: [] int32 in 0..gamma, traced: this cycle's draft limit (a
+      draft-length policy's choice). The draft steps past it are not run and
+      its positions propose nothing; 0 proposes nothing at all. None is
+      gamma.
 
   Returns:
     draft_tokens [B, G] int32, draft_probs [B, G, V] float32 (the q each draft
@@ -226,9 +231,12 @@ def propose(
         step=state.step + 1, logits=logits[:, 0], cache=cache,
         drafting=state.drafting & (confidence >= confidence_threshold))
 
-  # gamma - 1 steps feed a draft back; the last draft is sampled only.
+  limit = gamma if max_drafts is None else jnp.minimum(gamma, max_drafts)
+  start = DraftLoop.start(logits[:, -1], cache, gamma)
+  start = start.replace(drafting=start.drafting & (limit > 0))
+  # limit - 1 steps feed a draft back; the last draft is sampled only.
   state = jax.lax.while_loop(
-      lambda state: (state.step < gamma - 1) & jnp.any(state.drafting),
-      draft_step, DraftLoop.start(logits[:, -1], cache, gamma))
+      lambda state: (state.step < limit - 1) & jnp.any(state.drafting),
+      draft_step, start)
   state = state.draw(keys, sampling)
   return state.tokens, state.probs, state.cache

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
+from spec_jax import drafting
 from conftest import loop_cycles, tiny_pair
 from test_tree_loop import assert_prefix_equal
 
@@ -219,3 +220,37 @@ def test_loop_caches_equal_a_prefill_after_every_cycle(pair4, name):
                           draft.prefill(state.tokens, state.lengths, width),
                           state.lengths - 2)
   assert len(advances) > 1, advances  # rows advanced by different amounts
+
+
+def test_draft_limit_stops_the_draft_loop_at_a_traced_length(pair4):
+  """`drafting.propose(max_drafts=k)`, k traced: the first k drafts are
+  those of a full cycle with the same key, the rest propose nothing, and
+  the draft model runs k - 1 feed-back steps (one call to prefill the
+  context's last tokens aside)."""
+  _, draft = pair4
+  padded, lengths = sj.pad_prompts(PROMPTS)
+  gamma, sampling = 4, sj.Sampling(temperature=1)
+  cache = draft.prefill(jnp.asarray(padded), jnp.asarray(lengths), 32)
+  key = jax.random.key(5)
+  calls = []
+
+  def counted(*args, **kwargs):
+    jax.debug.callback(lambda: calls.append(1))
+    return draft(*args, **kwargs)
+
+  @jax.jit
+  def drafts(max_drafts):
+    tokens, probs, _ = drafting.propose(
+        counted, cache, jnp.asarray(padded), jnp.asarray(lengths), key, gamma,
+        sampling, max_drafts=max_drafts)
+    return tokens, probs
+
+  full_tokens, full_probs = drafts(jnp.int32(gamma))
+  for limit in range(gamma + 1):
+    calls.clear()
+    tokens, probs = jax.block_until_ready(drafts(jnp.int32(limit)))
+    proposed = np.asarray(probs.sum(-1) > 0)  # [B, G]
+    assert (proposed == (np.arange(gamma) < limit)).all(), limit
+    np.testing.assert_array_equal(tokens[:, :limit], full_tokens[:, :limit])
+    np.testing.assert_allclose(probs[:, :limit], full_probs[:, :limit])
+    assert len(calls) == 1 + max(limit - 1, 0), (limit, len(calls))
