@@ -12,8 +12,11 @@ A tree drafter (draft_tree.py, `TreeDrafter`) proposes a tree of drafts
 instead; `verify` scores every node in one pass and `resample_tree`
 (rules/tree.py) accepts a root-to-node path of it, with the same guarantee.
 `generate` (decoding.py) fuses them into one `lax.while_loop`;
-`generate_autoregressive` is the baseline built the same way. stats.py holds
-what a run counts and every ratio derived from it.
+`generate_autoregressive` is the baseline built the same way; both decode a
+queue of more prompts than rows by refilling finished rows inside the loop
+(refill.py). draft_length.py chooses each cycle's draft length from the
+rows' acceptance and the measured costs. stats.py holds what a run counts
+and every ratio derived from it.
 
 Importing spec_jax loads only what decoding needs: jax, flax, numpy and the
 checkpoint readers; the experiment harness lives in experiments/.
@@ -23,6 +26,7 @@ from spec_jax import io, rules, sharding, theory, verification
 from spec_jax.decoding import (Cycle, DecodeConfig, DecodeResult, PAD_ID,
                                generate, generate_autoregressive, pad_prompts,
                                speculative_cycle, verify_and_resample)
+from spec_jax.draft_length import AdaptiveDraftLength, CycleCosts
 from spec_jax.draft_tree import TreeTemplate
 from spec_jax.drafters import (LayerSkipDrafter, ModelDrafter, NgramDrafter,
                                TreeDrafter, prompt_lookup)
@@ -43,7 +47,8 @@ from spec_jax.stats import DecodeStats
 from spec_jax.verification import verify
 
 __all__ = [
-    "PAD_ID", "Cycle", "DecodeConfig", "DecodeResult", "DecodeStats",
+    "PAD_ID", "AdaptiveDraftLength", "Cycle", "CycleCosts", "DecodeConfig",
+    "DecodeResult", "DecodeStats",
     "Drafter", "EagleConfig", "EagleDrafter", "KVCache", "LayerSkipDrafter", "Model", "ModelBundle",
     "ModelDrafter", "NgramDrafter", "Proposal", "RopeScaling", "Sampling",
     "Transformer", "TransformerConfig", "TreeDrafter", "TreeTemplate",

@@ -20,6 +20,7 @@ function.
 """
 
 import dataclasses
+import functools
 from typing import Callable
 
 import flax.struct
@@ -27,10 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import rules, sharding
+from spec_jax import draft_length, refill, rules, sharding
+from spec_jax.draft_length import AdaptiveDraftLength, CycleCosts
 from spec_jax.drafting import DraftState, Drafter, Proposal, VerifyOutput
 from spec_jax.kv_cache import KVCache
 from spec_jax.model import Model
+from spec_jax.refill import Queue
 from spec_jax.sampling import Sampling
 from spec_jax.stats import DecodeStats
 from spec_jax.verification import verify, verify_proposed, verify_widths
@@ -59,7 +62,12 @@ class DecodeConfig:
     verifies gamma + 1 tokens; 2 adds a plain target step for cycles in which
     no row proposed anything; 3 adds gamma // 2 + 1. Each width is compiled
     into the loop; the output law does not depend on it. Only for drafters
-    that can propose fewer than gamma drafts (`Drafter.proposes_fewer`).
+    that can propose fewer than gamma drafts (`Drafter.proposes_fewer`), or
+    under a draft-length policy.
+  adaptive: a draft-length policy (`draft_length.AdaptiveDraftLength`):
+    each cycle drafts the K in 0..gamma that maximises the expected tokens
+    per unit cost, from the rows' acceptance so far and the `CycleCosts`
+    given to `generate`. None drafts gamma every cycle.
   """
 
   gamma: int = 4
@@ -69,6 +77,7 @@ class DecodeConfig:
   resample: Callable = rules.resample
   resample_tree: Callable = rules.resample_tree
   verify_buckets: int = 2
+  adaptive: AdaptiveDraftLength | None = None
 
   def __post_init__(self):
     if self.gamma < 1:
@@ -100,18 +109,20 @@ class DecodeState:
 
   tokens: jax.Array  # [B, S] prompt then output; slots >= lengths are scratch.
   lengths: jax.Array  # [B] sequence lengths.
+  prompt_lengths: jax.Array  # [B] where each row's output starts.
   done: jax.Array  # [B] bool, the row has finished.
   target_cache: KVCache
   draft_state: DraftState
   key: jax.Array
   stats: DecodeStats | None
+  # The prompts still to decode, when there are more than rows (refill.py).
+  queue: Queue | None = None
 
 
 def _emit(
     state: DecodeState,
     new_tokens: jax.Array,
     num_new: jax.Array,
-    prompt_lengths: jax.Array,
     config: DecodeConfig,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Appends up to num_new [B] of new_tokens [B, T] to each unfinished row.
@@ -120,7 +131,7 @@ def _emit(
   Returns the new tokens, lengths and done.
   """
   slot = jnp.arange(new_tokens.shape[1])
-  room = config.max_new_tokens - (state.lengths - prompt_lengths)
+  room = config.max_new_tokens - (state.lengths - state.prompt_lengths)
   count = jnp.minimum(num_new, room)
   hit_eos = jnp.zeros_like(state.done)
   if config.stop_ids:
@@ -136,22 +147,17 @@ def _emit(
   tokens = state.tokens.at[rows, index].set(new_tokens, mode="drop")
   lengths = state.lengths + count
   done = (state.done | hit_eos
-          | (lengths - prompt_lengths >= config.max_new_tokens))
+          | (lengths - state.prompt_lengths >= config.max_new_tokens))
   return tokens, lengths, done
 
 
-def _outputs(state: DecodeState, prompt_lengths, config: DecodeConfig):
-  """[B, max_new_tokens] outputs and their counts, from the final state."""
+def _outputs(state: DecodeState, config: DecodeConfig):
+  """[B, max_new_tokens] each row's outputs so far, and their counts [B]."""
   slot = jnp.arange(config.max_new_tokens)
-  index = prompt_lengths[:, None] + slot
-  num_tokens = state.lengths - prompt_lengths
+  index = state.prompt_lengths[:, None] + slot
+  num_tokens = state.lengths - state.prompt_lengths
   tokens = jnp.take_along_axis(state.tokens, index, 1, mode="clip")
   return jnp.where(slot < num_tokens[:, None], tokens, PAD_ID), num_tokens
-
-
-def _init_tokens(prompts, config: DecodeConfig, scratch: int) -> jax.Array:
-  """[B, P + max_new_tokens + scratch] buffer holding the prompts."""
-  return jnp.pad(prompts, ((0, 0), (0, config.max_new_tokens + scratch)))
 
 
 @flax.struct.dataclass
@@ -180,11 +186,12 @@ class Cycle:
 
 def _verify_widths(drafter: Drafter, config: DecodeConfig) -> tuple[int, ...]:
   """The verify widths the loop chooses from: config.verify_buckets of them
-  for a drafter that proposes fewer than gamma drafts in some cycles; for one
+  for a drafter that proposes fewer than gamma drafts in some cycles (or
+  under a draft-length policy); for one
   that always proposes gamma, the full width only, so that no unused narrow
   pass (and its switch, measured at 3-8% of the loop) is compiled in."""
-  buckets = config.verify_buckets if drafter.proposes_fewer else 1
-  return verify_widths(config.gamma, buckets)
+  fewer = drafter.proposes_fewer or config.adaptive is not None
+  return verify_widths(config.gamma, config.verify_buckets if fewer else 1)
 
 
 def _resample_chain(key, target, drafter, proposal, tokens, lengths, active,
@@ -259,7 +266,7 @@ def verify_and_resample(key, target: Model, drafter: Drafter,
 def speculative_cycle(propose_key, resample_key, target: Model,
                       drafter: Drafter, draft_state: DraftState,
                       target_cache: KVCache, tokens, lengths, active,
-                      config: DecodeConfig) -> Cycle:
+                      config: DecodeConfig, max_drafts=None) -> Cycle:
   """One propose -> verify -> resample cycle of every row, as the decode
   loop runs it; `Cycle.advance` then moves both caches past what the row
   kept. The loop adds only emitting the tokens and counting the cycle, and
@@ -271,15 +278,19 @@ def speculative_cycle(propose_key, resample_key, target: Model,
       row's sequence but the last.
     tokens: [B, S] every row's sequence; lengths: [B] their lengths.
     active: [B] bool, the rows still generating.
+    max_drafts: [] int32, this cycle's draft limit under a draft-length
+      policy; None drafts gamma (and is all a tree drafter takes).
   """
+  limit = {} if max_drafts is None else {"max_drafts": max_drafts}
   with jax.named_scope("propose"):
     proposal = drafter.propose(draft_state, target_cache, tokens, lengths,
-                               propose_key, config.gamma, config.sampling)
+                               propose_key, config.gamma, config.sampling,
+                               **limit)
   return verify_and_resample(resample_key, target, drafter, proposal, tokens,
                            lengths, active, config)
 
 
-def _count(stats: DecodeStats, cycle: Cycle, active) -> DecodeStats:
+def _count(stats: DecodeStats, cycle: Cycle, active, limit) -> DecodeStats:
   """The cycle's counts added to the run's."""
   proposal = cycle.proposal
   overlap = rules.overlap(proposal.probs, cycle.verified.probs)
@@ -302,94 +313,145 @@ def _count(stats: DecodeStats, cycle: Cycle, active) -> DecodeStats:
         num_accepted=cycle.num_accepted, overlap=overlap,
         point_mass=point_mass,
         tried=jnp.arange(cycle.path.shape[1]) <= cycle.num_accepted[:, None])
-  return stats.count_width(cycle.width)
+  return stats.count_width(cycle.width, limit)
 
 
-def _speculative_step(
-    state: DecodeState,
-    target: Model,
-    drafter: Drafter,
-    prompt_lengths: jax.Array,
-    config: DecodeConfig,
-) -> DecodeState:
+def _speculative_step(state: DecodeState, target: Model, drafter: Drafter,
+                      config: DecodeConfig,
+                      costs: CycleCosts | None) -> DecodeState:
   """One cycle for every row, its tokens emitted and counted."""
   key, propose_key, resample_key = jax.random.split(state.key, 3)
   active = ~state.done
+  max_drafts = None
+  if config.adaptive is not None:
+    max_drafts = draft_length.choose(
+        config.adaptive, state.stats, active, costs,
+        _verify_widths(drafter, config), config.gamma)
   cycle = speculative_cycle(propose_key, resample_key, target, drafter,
                             state.draft_state, state.target_cache,
-                            state.tokens, state.lengths, active, config)
+                            state.tokens, state.lengths, active, config,
+                            max_drafts)
   tokens, lengths, done = _emit(state, cycle.tokens, cycle.num_accepted + 1,
-                                prompt_lengths, config)
+                                config)
   target_cache, draft_state = cycle.advance(drafter, lengths)
-  return DecodeState(tokens=tokens, lengths=lengths, done=done,
-                     target_cache=target_cache, draft_state=draft_state,
-                     key=key, stats=_count(state.stats, cycle, active))
+  return state.replace(tokens=tokens, lengths=lengths, done=done,
+                       target_cache=target_cache, draft_state=draft_state,
+                       key=key, stats=_count(
+                           state.stats, cycle, active,
+                           drafter.cycle_shape(config.gamma)[1]
+                           if max_drafts is None else max_drafts))
 
 
-def _initial_state(key, target, drafter, prompts, prompt_lengths,
-                   config) -> DecodeState:
-  """Both caches prefilled, in a buffer whose scratch tail holds a cycle's
-  whole verify pass: N + 1 slots past any row's last output."""
-  num_nodes, depth = drafter.cycle_shape(config.gamma)
-  num_widths = len(_verify_widths(drafter, config))
-  tokens = _init_tokens(prompts, config, scratch=num_nodes + 1)
-  max_len = tokens.shape[1]
-  target_cache, hidden = target.prefill_with_hidden(
-      prompts, prompt_lengths, max_len, drafter.target_layers)
-  return DecodeState(
-      tokens=tokens,
-      lengths=prompt_lengths,
-      done=jnp.zeros(prompt_lengths.shape, bool),
-      target_cache=target_cache,
-      draft_state=drafter.prefill(prompts, prompt_lengths, max_len, hidden),
-      key=key,
-      stats=DecodeStats.zeros(prompts.shape[0], depth, num_widths),
-  )
-
-
-def _generate(key, target, drafter, prompts, prompt_lengths, config):
-  state = jax.lax.while_loop(
-      lambda s: ~jnp.all(s.done),
-      lambda s: _speculative_step(s, target, drafter, prompt_lengths, config),
-      _initial_state(key, target, drafter, prompts, prompt_lengths, config))
-  tokens, num_tokens = _outputs(state, prompt_lengths, config)
-  return DecodeResult(tokens=tokens, num_tokens=num_tokens, stats=state.stats)
-
-
-def _autoregressive_step(state, target, prompt_lengths, config):
+def _autoregressive_step(state: DecodeState, target: Model,
+                         config: DecodeConfig) -> DecodeState:
   key, sample_key = jax.random.split(state.key)
   positions = state.lengths[:, None] - 1
   last = jnp.take_along_axis(state.tokens, positions, 1)  # [B, 1]
   logits, cache = target(last, state.target_cache, positions)
   token = config.sampling.sample(sample_key, config.sampling.probs(logits))
   tokens, lengths, done = _emit(state, token, jnp.ones_like(state.lengths),
-                                prompt_lengths, config)
+                                config)
   return state.replace(tokens=tokens, lengths=lengths, done=done, key=key,
                        target_cache=cache.rollback(lengths - 1))
 
 
-def _generate_autoregressive(key, target, prompts, prompt_lengths, config):
-  tokens = _init_tokens(prompts, config, scratch=1)
-  state = DecodeState(
-      tokens=tokens,
-      lengths=prompt_lengths,
-      done=jnp.zeros(prompt_lengths.shape, bool),
-      target_cache=target.prefill(prompts, prompt_lengths, tokens.shape[1]),
-      draft_state=None,
-      key=key,
-      stats=None,
-  )
+def _prefill(target: Model, drafter: Drafter | None, prompts, prompt_lengths,
+             max_len: int) -> tuple[jax.Array, KVCache, DraftState]:
+  """Fresh rows for prompts [B, W]: the token buffer [B, max_len] holding
+  them, the target's cache and the drafter's state (None without one)."""
+  tokens = jnp.pad(prompts, ((0, 0), (0, max_len - prompts.shape[1])))
+  if drafter is None:
+    return tokens, target.prefill(prompts, prompt_lengths, max_len), None
+  target_cache, hidden = target.prefill_with_hidden(
+      prompts, prompt_lengths, max_len, drafter.target_layers)
+  return tokens, target_cache, drafter.prefill(prompts, prompt_lengths,
+                                               max_len, hidden)
+
+
+def _initial_state(key, target, drafter, prompts, prompt_lengths, config,
+                   slots: int) -> DecodeState:
+  """The first `slots` prompts prefilled into the rows, the others queued;
+  the buffer's scratch tail holds a cycle's whole verify pass (N + 1 slots
+  past any row's last output; 1 for a plain decode)."""
+  num_prompts = prompts.shape[0]
+  if drafter is None:
+    scratch, stats = 1, lambda rows: None
+  else:
+    num_nodes, depth = drafter.cycle_shape(config.gamma)
+    num_widths = len(_verify_widths(drafter, config))
+    scratch = num_nodes + 1
+    stats = lambda rows: DecodeStats.zeros(rows, depth, num_widths)
+  max_len = prompts.shape[1] + config.max_new_tokens + scratch
+  queue = None
+  if slots < num_prompts:
+    queue = Queue.start(prompts, prompt_lengths, slots,
+                        config.max_new_tokens, stats(num_prompts))
+    prompts, prompt_lengths = prompts[:slots], prompt_lengths[:slots]
+  tokens, target_cache, draft_state = _prefill(target, drafter, prompts,
+                                               prompt_lengths, max_len)
+  return DecodeState(
+      tokens=tokens, lengths=prompt_lengths, prompt_lengths=prompt_lengths,
+      done=jnp.zeros(prompt_lengths.shape, bool), target_cache=target_cache,
+      draft_state=draft_state, key=key, stats=stats(prompts.shape[0]),
+      queue=queue)
+
+
+def _next_prompts(state: DecodeState, target: Model, drafter: Drafter | None,
+                  config: DecodeConfig) -> DecodeState:
+  """Finished rows' outputs stored, and freed rows refilled from the queue."""
+  queue, stats = state.queue.flush(state.done, *_outputs(state, config),
+                                   state.stats)
+
+  def prefill_row(state, row, prompt, length):
+    tokens, target_cache, draft_state = _prefill(
+        target, drafter, prompt, length, state.tokens.shape[1])
+    put = lambda batch, one: refill.put_row(batch, row, one)
+    return state.replace(
+        tokens=put(state.tokens, tokens), lengths=put(state.lengths, length),
+        prompt_lengths=put(state.prompt_lengths, length),
+        done=state.done.at[row].set(False),
+        target_cache=put(state.target_cache, target_cache),
+        draft_state=put(state.draft_state, draft_state))
+
+  return refill.refill(state.replace(queue=queue, stats=stats), prefill_row)
+
+
+def _decode(key, target, drafter, prompts, prompt_lengths, config, slots,
+            costs=None) -> DecodeResult:
+  """The decode loop: speculative with a drafter, plain without one."""
+  if drafter is None:
+    step = lambda state: _autoregressive_step(state, target, config)
+  else:
+    step = lambda state: _speculative_step(state, target, drafter, config,
+                                           costs)
+
+  def body(state):
+    state = step(state)
+    if state.queue is not None:
+      state = _next_prompts(state, target, drafter, config)
+    return state
+
   state = jax.lax.while_loop(
-      lambda s: ~jnp.all(s.done),
-      lambda s: _autoregressive_step(s, target, prompt_lengths, config),
-      state)
-  tokens, num_tokens = _outputs(state, prompt_lengths, config)
-  return DecodeResult(tokens=tokens, num_tokens=num_tokens)
+      lambda s: ~jnp.all(s.done), body,
+      _initial_state(key, target, drafter, prompts, prompt_lengths, config,
+                     slots))
+  if state.queue is None:
+    tokens, num_tokens = _outputs(state, config)
+    return DecodeResult(tokens=tokens, num_tokens=num_tokens,
+                        stats=state.stats)
+  queue = state.queue
+  return DecodeResult(
+      tokens=queue.tokens, num_tokens=queue.num_tokens,
+      stats=None if drafter is None else queue.result_stats(state.stats))
 
 
-generate_jit = jax.jit(_generate, static_argnames="config")
-generate_autoregressive_jit = jax.jit(_generate_autoregressive,
-                                      static_argnames="config")
+generate_jit = jax.jit(_decode, static_argnames=("config", "slots"))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "slots"))
+def generate_autoregressive_jit(key, target, prompts, prompt_lengths, config,
+                                slots):
+  return _decode(key, target, None, prompts, prompt_lengths, config, slots)
 
 
 def check_inputs(
@@ -426,6 +488,28 @@ def check_inputs(
     drafter.validate(target, needed)
 
 
+def _check_policy(drafter: Drafter, config: DecodeConfig,
+                  costs: CycleCosts | None) -> None:
+  """Raises ValueError, before compiling, on a draft-length policy that
+  cannot run: a tree drafter, or costs missing or not one per width."""
+  if config.adaptive is None:
+    if costs is not None:
+      raise ValueError("costs were given, but only the adaptive draft length "
+                       "reads them; set DecodeConfig(adaptive=...).")
+    return
+  if drafter.cycle_shape(config.gamma) != (config.gamma, config.gamma):
+    raise ValueError(
+        f"the adaptive draft length needs a chain drafter; {drafter.describe()}"
+        " drafts a tree, whose template fixes its drafts.")
+  widths = _verify_widths(drafter, config)
+  if costs is None or np.shape(costs.verify) != (len(widths),):
+    got = None if costs is None else np.shape(costs.verify)
+    raise ValueError(
+        f"the adaptive draft length needs CycleCosts with one verify cost per "
+        f"compiled width {widths}, in target steps; got {got}. "
+        "`timing.calibrate_cycle_costs` in the harness measures them.")
+
+
 def _check_token_ids(prompts: np.ndarray, prompt_lengths: np.ndarray,
                      vocab_size: int) -> None:
   """Raises on a prompt token outside [0, vocab_size): a gather on device
@@ -440,16 +524,27 @@ def _check_token_ids(prompts: np.ndarray, prompt_lengths: np.ndarray,
         "encode prompts with the target's tokenizer.")
 
 
-def _place(key, prompts, prompt_lengths, mesh):
-  """Device arrays: on one device, or split by rows over the mesh's data axis
-  with the key replicated, so the sampled tokens do not depend on the mesh."""
+def _place(key, prompts, prompt_lengths, mesh, slots: int | None) -> tuple:
+  """Device arrays and the number of rows: on one device, or split by rows
+  over the mesh's data axis with the key replicated, so the sampled tokens
+  do not depend on the mesh."""
+  num_prompts = len(prompts)
+  if slots is not None and slots < 1:
+    raise ValueError(f"slots={slots}: decode at least one row at a time.")
+  slots = num_prompts if slots is None else min(slots, num_prompts)
   if mesh is None:
-    return key, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lengths,
-                                                             jnp.int32)
-  sharding.check_batch(len(prompts), mesh)
+    return (key, jnp.asarray(prompts, jnp.int32),
+            jnp.asarray(prompt_lengths, jnp.int32), slots)
+  if slots < num_prompts:
+    raise ValueError(
+        f"slots={slots} < {num_prompts} prompts on a mesh: refilling rows is "
+        "not sharded yet; decode the prompts in batches of the mesh's rows, "
+        "or leave slots unset.")
+  sharding.check_batch(num_prompts, mesh)
   return (sharding.put_key(key, mesh),
           sharding.put_batch(np.asarray(prompts, np.int32), mesh),
-          sharding.put_batch(np.asarray(prompt_lengths, np.int32), mesh))
+          sharding.put_batch(np.asarray(prompt_lengths, np.int32), mesh),
+          slots)
 
 
 def generate(
@@ -460,6 +555,8 @@ def generate(
     prompt_lengths,
     config: DecodeConfig,
     mesh: jax.sharding.Mesh | None = None,
+    slots: int | None = None,
+    costs: CycleCosts | None = None,
 ) -> DecodeResult:
   """Speculative decoding whose output law is exactly the target's.
 
@@ -470,36 +567,46 @@ def generate(
       `LayerSkipDrafter(target, num_layers)`, `NgramDrafter(vocab_size)`,
       `TreeDrafter(draft_model, branching)`, or any class that meets the
       contract of drafting.py.
-    prompts: [B, P] int32 right-padded prompts (see `pad_prompts`).
-    prompt_lengths: [B] int32 true prompt lengths, >= 1.
+    prompts: [P, W] int32 right-padded prompts (see `pad_prompts`).
+    prompt_lengths: [P] int32 true prompt lengths, >= 1.
     config: gamma, max_new_tokens, sampling and EOS.
     mesh: the mesh the models were sharded over (see sharding.py), if any;
       the batch is split over its data axis.
+    slots: the rows decoded at once, B. With B < P the first B prompts
+      start, and each row that finishes takes the next prompt inside the
+      loop (refill.py). None decodes all P at once.
+    costs: a draft pass and each compiled verify width, in target steps at
+      this batch size, measured beforehand; what config.adaptive optimises.
 
   Returns:
-    The emitted tokens [B, max_new_tokens], their counts [B] and the
-    statistics of the run, from a single compiled program.
+    The emitted tokens [P, max_new_tokens], their counts [P] and the
+    statistics of the run (rows per prompt), from a single compiled program.
   """
   check_inputs(target, prompts, prompt_lengths, config, drafter)
-  key, prompts, prompt_lengths = _place(key, prompts, prompt_lengths, mesh)
-  return generate_jit(key, target, drafter, prompts, prompt_lengths, config)
+  _check_policy(drafter, config, costs)
+  key, prompts, prompt_lengths, slots = _place(key, prompts, prompt_lengths,
+                                               mesh, slots)
+  return generate_jit(key, target, drafter, prompts, prompt_lengths, config,
+                      slots, costs)
 
 
 def generate_autoregressive(
     key: jax.Array, target: Model, prompts, prompt_lengths, config: DecodeConfig,
-    mesh: jax.sharding.Mesh | None = None,
+    mesh: jax.sharding.Mesh | None = None, slots: int | None = None,
 ) -> DecodeResult:
-  """The baseline: one target step per token, in its own while_loop."""
+  """The baseline: one target step per token, in its own while_loop; slots
+  as in `generate`."""
   check_inputs(target, prompts, prompt_lengths, config)
   # gamma and the rejection rules play no part here; fixing them lets a
   # sweep over gamma compile the baseline once.
-  key, prompts, prompt_lengths = _place(key, prompts, prompt_lengths, mesh)
+  key, prompts, prompt_lengths, slots = _place(key, prompts, prompt_lengths,
+                                               mesh, slots)
   return generate_autoregressive_jit(key, target, prompts, prompt_lengths,
                                      dataclasses.replace(
                                          config, gamma=1,
                                          resample=rules.resample,
                                          resample_tree=rules.resample_tree,
-                                         verify_buckets=1))
+                                         verify_buckets=1), slots)
 
 
 def pad_prompts(prompts, min_width: int = 1) -> tuple[np.ndarray, np.ndarray]:

@@ -56,10 +56,10 @@ class ModelDrafter:
     return self.model.prefill(prompts, prompt_lengths, max_len)
 
   def propose(self, state, target_cache, tokens, lengths, key, gamma,
-              sampling) -> Proposal:
+              sampling, max_drafts=None) -> Proposal:
     draft_tokens, draft_probs, state = propose(
         self.model, state, tokens, lengths, key, gamma, sampling,
-        self.confidence_threshold)
+        self.confidence_threshold, max_drafts=max_drafts)
     return Proposal(draft_tokens, draft_probs, state, target_cache)
 
   def update(self, state: KVCache, cache_lengths, verified) -> KVCache:
@@ -170,12 +170,13 @@ class LayerSkipDrafter:
     return None  # the target's prefill already filled the shared layers
 
   def propose(self, state, target_cache, tokens, lengths, key, gamma,
-              sampling) -> Proposal:
+              sampling, max_drafts=None) -> Proposal:
     draft = lambda tokens, cache, positions=None: self.target(
         tokens, cache, positions, num_layers=self.num_layers)
     draft_tokens, draft_probs, target_cache = propose(
         draft, target_cache, tokens, lengths, key, gamma, sampling,
-        self.confidence_threshold, feed_previous=False)
+        self.confidence_threshold, feed_previous=False,
+        max_drafts=max_drafts)
     return Proposal(draft_tokens, draft_probs, state, target_cache)
 
   def update(self, state, cache_lengths, verified) -> None:
@@ -253,10 +254,12 @@ class NgramDrafter:
     return None
 
   def propose(self, state, target_cache, tokens, lengths, key, gamma,
-              sampling) -> Proposal:
+              sampling, max_drafts=None) -> Proposal:
     del key, sampling  # q is one-hot whatever the sampling
     draft_tokens, proposed = prompt_lookup(tokens, lengths, gamma, self.max_n,
                                            self.min_n)
+    if max_drafts is not None:
+      proposed &= jnp.arange(gamma) < max_drafts
     draft_probs = jax.nn.one_hot(draft_tokens, self.vocab_size) * proposed[
         ..., None]
     return Proposal(draft_tokens, draft_probs, state, target_cache)

@@ -18,9 +18,15 @@ a new class (drafters.py has four) and the loop does not change:
                               hidden: the target's hidden states of
                               `target_layers` over the prompts, each
                               [B, P, D], from the target's own prefill
-  propose(state, target_cache, tokens, lengths, key, gamma, sampling)
-      -> Proposal
+  propose(state, target_cache, tokens, lengths, key, gamma, sampling,
+          max_drafts=None) -> Proposal
+                              max_drafts: [] int32, a draft-length policy's
+                              limit for this cycle (a chain drafter's only;
+                              the loop passes it under a policy alone)
   update(state, cache_lengths, verified) -> state
+
+Every leaf of a draft state has the batch as its leading axis, so that the
+loop can replace one row's state by a one-row prefill's (refill.py).
 
 `tokens` [B, S] is every row's whole sequence so far (prompt and output) and
 `lengths` [B] its length, so a drafter may read any of the context (prompt
@@ -122,7 +128,7 @@ class Drafter(Protocol):
               hidden=()) -> DraftState: ...
 
   def propose(self, state, target_cache, tokens, lengths, key, gamma,
-              sampling) -> Proposal: ...
+              sampling, max_drafts=None) -> Proposal: ...
 
   def update(self, state, cache_lengths,
              verified: VerifyOutput) -> DraftState: ...

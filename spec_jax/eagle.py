@@ -407,7 +407,7 @@ class EagleDrafter:
     return cache.rollback(jnp.maximum(lengths - 1, 0))
 
   def propose(self, state: EagleState, target_cache, tokens, lengths, key,
-              gamma, sampling) -> Proposal:
+              gamma, sampling, max_drafts=None) -> Proposal:
     if self.template is not None:
       return self._propose_tree(state, target_cache, tokens, lengths, key,
                                 sampling)
@@ -424,9 +424,12 @@ class EagleDrafter:
       return loop.replace(step=loop.step + 1, logits=logits[:, 0],
                           cache=(cache, a[:, 0]))
 
+    # As `drafting.propose`: the steps past max_drafts are not run.
+    limit = gamma if max_drafts is None else jnp.minimum(gamma, max_drafts)
+    start = DraftLoop.start(first_logits, (cache, first_a), gamma)
     loop = jax.lax.while_loop(
-        lambda loop: loop.step < gamma - 1, draft_step,
-        DraftLoop.start(first_logits, (cache, first_a), gamma))
+        lambda loop: loop.step < limit - 1, draft_step,
+        start.replace(drafting=start.drafting & (limit > 0)))
     loop = loop.draw(keys, sampling)
     return Proposal(loop.tokens, loop.probs,
                     EagleState(self._done(loop.cache[0], lengths),

@@ -20,6 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# The counters kept per row; the others (cycles, width_cycles, limit_cycles)
+# count the loop.
+ROW_FIELDS = ("row_cycles", "drafted", "accepted", "accepted_per_position",
+              "tried_per_position", "overlap_sum", "point_mass_sum",
+              "verified")
+
+
 @flax.struct.dataclass
 class DecodeStats:
   """Counters of speculative decoding.
@@ -51,6 +58,9 @@ class DecodeStats:
   # decode chose from (`verification.verify_widths`; a tree's whole pass
   # counts as the widest).
   width_cycles: jax.Array
+  # [G+1] loop iterations whose draft limit was K drafts: gamma but where a
+  # draft-length policy (draft_length.py) chose fewer; a tree's depth.
+  limit_cycles: jax.Array
 
   @classmethod
   def zeros(cls, batch_size: int, gamma: int,
@@ -65,11 +75,14 @@ class DecodeStats:
         tried_per_position=jnp.zeros((batch_size, gamma), jnp.int32),
         overlap_sum=jnp.zeros((batch_size,), jnp.float32),
         point_mass_sum=jnp.zeros((batch_size,), jnp.float32), verified=row,
-        width_cycles=jnp.zeros((num_widths,), jnp.int32))
+        width_cycles=jnp.zeros((num_widths,), jnp.int32),
+        limit_cycles=jnp.zeros((gamma + 1,), jnp.int32))
 
-  def count_width(self, index: jax.Array) -> "DecodeStats":
-    """Counts one verify pass of the index-th width."""
-    return self.replace(width_cycles=self.width_cycles.at[index].add(1))
+  def count_width(self, index: jax.Array, limit: jax.Array) -> "DecodeStats":
+    """Counts one verify pass of the index-th width, in a cycle whose draft
+    limit was `limit` drafts."""
+    return self.replace(width_cycles=self.width_cycles.at[index].add(1),
+                        limit_cycles=self.limit_cycles.at[limit].add(1))
 
   def record_cycle(self, active, proposed, num_accepted, overlap,
                    point_mass) -> "DecodeStats":
@@ -126,31 +139,36 @@ class DecodeStats:
 
   def __add__(self, other: "DecodeStats") -> "DecodeStats":
     """The stats of both runs: rows concatenated, loop counters summed."""
-    rows = lambda a, b: np.concatenate([np.asarray(a), np.asarray(b)])
-    total = lambda a, b: np.asarray(a) + np.asarray(b)
-    return DecodeStats(
-        cycles=total(self.cycles, other.cycles),
-        row_cycles=rows(self.row_cycles, other.row_cycles),
-        drafted=rows(self.drafted, other.drafted),
-        accepted=rows(self.accepted, other.accepted),
-        accepted_per_position=rows(self.accepted_per_position,
-                                   other.accepted_per_position),
-        tried_per_position=rows(self.tried_per_position,
-                                other.tried_per_position),
-        overlap_sum=rows(self.overlap_sum, other.overlap_sum),
-        point_mass_sum=rows(self.point_mass_sum, other.point_mass_sum),
-        verified=rows(self.verified, other.verified),
-        width_cycles=total(self.width_cycles, other.width_cycles))
+    rows = lambda name: np.concatenate([np.asarray(getattr(self, name)),
+                                        np.asarray(getattr(other, name))])
+    total = lambda name: (np.asarray(getattr(self, name))
+                          + np.asarray(getattr(other, name)))
+    return DecodeStats(cycles=total("cycles"),
+                       width_cycles=total("width_cycles"),
+                       limit_cycles=total("limit_cycles"),
+                       **{name: rows(name) for name in ROW_FIELDS})
 
   def select_rows(self, keep) -> "DecodeStats":
     """These stats for the rows `keep` ([B] bool or indices) only, e.g. to
     leave out rows that only pad a batch; loop counters are kept."""
     keep = np.asarray(keep)
-    return self.replace(**{
-        name: np.asarray(getattr(self, name))[keep] for name in (
-            "row_cycles", "drafted", "accepted", "accepted_per_position",
-            "tried_per_position",
-            "overlap_sum", "point_mass_sum", "verified")})
+    return self.replace(**{name: np.asarray(getattr(self, name))[keep]
+                           for name in ROW_FIELDS})
+
+  def put_rows(self, into: "DecodeStats", index) -> "DecodeStats":
+    """`into` with its rows index [B] replaced by this one's rows, in jit;
+    an index past into's rows drops that row. Loop counters are into's."""
+    return into.replace(**{
+        name: getattr(into, name).at[index].set(getattr(self, name),
+                                                mode="drop")
+        for name in ROW_FIELDS})
+
+  def clear_rows(self, clear) -> "DecodeStats":
+    """Row counters set to 0 where clear [B] (bool), in jit."""
+    zero = lambda x: jnp.where(clear.reshape((-1,) + (1,) * (x.ndim - 1)),
+                               jnp.zeros_like(x), x)
+    return self.replace(**{name: zero(getattr(self, name))
+                           for name in ROW_FIELDS})
 
   @classmethod
   def merge(cls, stats: list["DecodeStats"]) -> "DecodeStats":
@@ -227,6 +245,7 @@ class DecodeStats:
         "accepted_per_cycle": self.accepted_per_cycle,
         "nodes_per_cycle": self.nodes_per_cycle,
         "width_cycles": [int(x) for x in self.width_cycles],
+        "limit_cycles": [int(x) for x in self.limit_cycles],
         "mean_overlap": self.mean_overlap,
         "mean_point_mass_acceptance": self.mean_point_mass_acceptance,
         # Summed over rows: row-cycles that accepted draft i.

@@ -14,6 +14,7 @@ the paper), the walltime improvement over autoregressive decoding is
 Every function takes scalars or numpy arrays, which broadcast.
 """
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -110,41 +111,8 @@ def speedup_from_depth_acceptance(depth_acceptance, draft_cost, verify_cost):
       np.asarray(draft_cost) + np.asarray(verify_cost))
 
 
-
-def expected_emitted_tokens(conditional):
-  """E_b(k) = 1 + r_1 + r_1 r_2 + ... + r_1 ... r_k, for k = 0..G: [..., G+1].
-
-  conditional: [..., G] r_i = P(draft i accepted | drafts 1..i-1 were), a
-  row's estimate by position. A cycle of k drafts emits one token per
-  accepted draft and one more from the target, so E_b(0) = 1 is a plain
-  target step.
-  """
-  depth = np.cumprod(np.asarray(conditional, np.float64), axis=-1)
-  zeros = np.zeros(depth.shape[:-1] + (1,))
-  return 1 + np.cumsum(np.concatenate([zeros, depth], -1), axis=-1)
-
-
-def goodput_optimal_draft_length(conditional, active, draft_cost,
-                                 verify_cost) -> int:
-  """The K in 0..G that maximises the batch's expected tokens per unit cost,
-
-    K* = argmax_K  sum_b active_b E_b(K) / (K c + V(K)),
-
-  where c = draft_cost is a draft step and V(K) = verify_cost[K] a verify
-  pass that holds K drafts per row (the narrowest compiled width >= K + 1;
-  K = 0 is a plain target step), both in target steps at this batch size.
-
-  conditional: [B, G] each row's r_i (`expected_emitted_tokens`); active: [B]
-  bool; verify_cost: [G+1]. Why one K for the batch: the draft loop and
-  the verify pass have fixed shapes, so a cycle's cost depends only on the
-  longest proposal, while E_b grows with k; so every row proposes K*.
-  Ties go to the smaller K.
-  """
-  per_row = expected_emitted_tokens(conditional)  # [B, G+1]
-  tokens = np.where(np.asarray(active)[:, None], per_row, 0.0).sum(0)
-  lengths = np.arange(per_row.shape[-1])
-  cost = lengths * draft_cost + np.asarray(verify_cost, np.float64)
-  return int(np.argmax(tokens / cost))
+# The adaptive draft length (decoding.DraftLengthPolicy) runs these three in
+# the decode loop, on jax arrays; they take numpy arrays too.
 
 
 def conditional_acceptance_estimate(accepted, tried, prior_rate: float,
@@ -159,6 +127,41 @@ def conditional_acceptance_estimate(accepted, tried, prior_rate: float,
   prior), so that a row with no history drafts by the prior and a row's own
   counts take over as they grow.
   """
-  accepted = np.asarray(accepted, np.float64)
-  tried = np.asarray(tried, np.float64)
+  accepted = jnp.asarray(accepted, jnp.float32)
+  tried = jnp.asarray(tried, jnp.float32)
   return (accepted + prior_weight * prior_rate) / (tried + prior_weight)
+
+
+def expected_emitted_tokens(conditional):
+  """E_b(k) = 1 + r_1 + r_1 r_2 + ... + r_1 ... r_k, for k = 0..G: [..., G+1].
+
+  conditional: [..., G] r_i = P(draft i accepted | drafts 1..i-1 were), a
+  row's estimate by position. A cycle of k drafts emits one token per
+  accepted draft and one more from the target, so E_b(0) = 1 is a plain
+  target step.
+  """
+  depth = jnp.cumprod(jnp.asarray(conditional, jnp.float32), axis=-1)
+  return 1 + jnp.cumsum(jnp.pad(depth, [(0, 0)] * (depth.ndim - 1) + [(1, 0)]),
+                        axis=-1)
+
+
+def goodput_optimal_draft_length(conditional, active, cycle_cost):
+  """The K in 0..G that maximises the batch's expected tokens per unit cost,
+
+    K* = argmax_K  sum_b active_b E_b(K) / C(K),
+
+  with C(K) = cycle_cost[K] the cost of a cycle whose longest proposal is K
+  drafts, in target steps at this batch size. Why one K for every row: a
+  cycle's passes have fixed shapes, so its cost depends only on the longest
+  proposal, while each E_b grows with k; so once the longest is K, every
+  other row proposing K too costs nothing and emits more in expectation.
+  The best per-row choice k_b is therefore k_b = K* for all rows (the test
+  checks this against a search over every per-row choice).
+
+  conditional: [B, G] each row's r_i; active: [B] bool; cycle_cost: [G+1].
+  Returns an int32 scalar; ties go to the smaller K.
+  """
+  per_row = expected_emitted_tokens(conditional)  # [B, G+1]
+  tokens = jnp.where(jnp.asarray(active)[:, None], per_row, 0.0).sum(0)
+  return jnp.argmax(tokens / jnp.asarray(cycle_cost, jnp.float32)).astype(
+      jnp.int32)

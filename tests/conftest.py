@@ -67,12 +67,13 @@ def loop_cycles(target, drafter, prompts, config, num_cycles=3, seed=2):
   state of the prompts: yields each state and each row's advance [B]."""
   padded, lengths = map(jnp.asarray, sj.pad_prompts(prompts))
   state = decoding._initial_state(  # pylint: disable=protected-access
-      jax.random.key(seed), target, drafter, padded, lengths, config)
+      jax.random.key(seed), target, drafter, padded, lengths, config,
+      len(prompts))
   step = jax.jit(decoding._speculative_step,  # pylint: disable=protected-access
                  static_argnames="config")
   for _ in range(num_cycles):
     before = state.lengths
-    state = step(state, target, drafter, lengths, config)
+    state = step(state, target, drafter, config)
     yield state, np.asarray(state.lengths - before)
 
 

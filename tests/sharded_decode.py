@@ -51,11 +51,11 @@ def cache_size(config, prompts, decode_config) -> int:
 
 def decode(target, draft, prompts, lengths, config, mesh):
   """(tokens, HLO text) of one compiled speculative decode."""
-  key, prompts, lengths = decoding._place(jax.random.key(7), prompts, lengths,
-                                          mesh)
+  key, prompts, lengths, slots = decoding._place(jax.random.key(7), prompts,
+                                                 lengths, mesh, None)
   drafter = sj.ModelDrafter(draft)
   compiled = decoding.generate_jit.lower(key, target, drafter, prompts,
-                                         lengths, config).compile()
+                                         lengths, config, slots).compile()
   result = compiled(key, target, drafter, prompts, lengths)
   return np.asarray(result.tokens), compiled.as_text()
 

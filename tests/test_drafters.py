@@ -101,7 +101,7 @@ def test_layer_skip_keeps_no_second_cache(pair4):
   def loop_bytes(drafter):
     compiled = sj.decoding.generate_jit.lower(
         jax.random.key(0), target, drafter, jnp.asarray(padded),
-        jnp.asarray(lengths), config).compile()
+        jnp.asarray(lengths), config, len(padded)).compile()
     # The loop carry (caches included) is temporary memory; arguments are
     # not counted, since the layer-skip drafter passes the target's params a
     # second time, as the same buffers.

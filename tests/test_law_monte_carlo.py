@@ -244,3 +244,35 @@ def test_negative_control_wrong_correction_is_rejected(pair8, name):
                        resample=correction_from_p())
   p_values, _ = law_check(decode, target, sampling, seed=2, prompts=prompts)
   assert not follows_law(p_values), p_values
+
+
+@pytest.mark.parametrize("adaptive, rule, exact", [
+    (False, sj.resample, True),
+    (True, sj.resample, True),
+    # The negative control: the same test must reject it.
+    (True, correction_from_p(), False)])
+def test_refill_and_adaptive_draft_length_sample_the_target_law(
+    pair8, adaptive, rule, exact):
+  """Half the rows of each batch decode a second prompt, prefilled into the
+  row inside the loop when its first finished; with the adaptive draft
+  length, whose prior (0.9) starts it at 2 drafts and whose rows' counts
+  (overlap about 0.5) bring it down during the run."""
+  target, draft = pair8
+  sampling = sj.Sampling(temperature=1.0)
+  policy, costs = {}, None
+  if adaptive:
+    policy = {"verify_buckets": 3,
+              "adaptive": sj.AdaptiveDraftLength(prior_rate=0.9)}
+    costs = sj.CycleCosts.of(0.2, [1.0, 1.5, 2.0])
+  config = decoding.DecodeConfig(gamma=GAMMA, max_new_tokens=NUM_NEW,
+                                 sampling=sampling, resample=rule, **policy)
+  decode = lambda key, prompts, lengths: sj.generate(
+      key, target, sj.ModelDrafter(draft), prompts, lengths, config,
+      slots=len(prompts) // 2, costs=costs)
+  p_values, stats = law_check(decode, target, sampling, seed=13,
+                              prompts=(PROMPT, SHORT_PROMPT))
+  assert follows_law(p_values) == exact, p_values
+  if adaptive:
+    limits = sum(np.asarray(s.limit_cycles) for s in stats)
+    print("cycles by draft length:", limits)
+    assert (limits > 0).sum() >= 2, limits

@@ -104,17 +104,20 @@ def test_stats_add_as_counters():
                        tried_per_position=np.array([[3, 3]]),
                        overlap_sum=np.array([6.0]),
                        point_mass_sum=np.array([5.0]), verified=np.array([6]),
-                       width_cycles=np.array([0, 3]))
+                       width_cycles=np.array([0, 3]),
+                       limit_cycles=np.array([0, 0, 3]))
   two = sj.DecodeStats(cycles=np.int32(4), row_cycles=np.array([1, 4]),
                        drafted=np.array([2, 8]), accepted=np.array([0, 2]),
                        accepted_per_position=np.array([[0, 0], [2, 0]]),
                        tried_per_position=np.array([[1, 0], [4, 2]]),
                        overlap_sum=np.array([0.5, 2.5]),
                        point_mass_sum=np.array([0.25, 0.75]),
-                       verified=np.array([1, 5]), width_cycles=np.array([1, 3]))
+                       verified=np.array([1, 5]), width_cycles=np.array([1, 3]),
+                       limit_cycles=np.array([0, 1, 3]))
   merged = sj.DecodeStats.merge([one, two])
   assert int(merged.cycles) == 7 and merged.row_cycles.tolist() == [3, 1, 4]
   assert merged.width_cycles.tolist() == [1, 6]
+  assert merged.limit_cycles.tolist() == [0, 1, 6]
   assert merged.tried_per_position.tolist() == [[3, 3], [1, 0], [4, 2]]
   assert merged.acceptance_rate == pytest.approx(8 / 16)
   assert merged.tokens_per_cycle == pytest.approx((8 + 8) / 8)
@@ -135,7 +138,8 @@ def test_stats_leave_out_padding_rows():
                          overlap_sum=np.array([1.0, 4.0]),
                          point_mass_sum=np.array([0.5, 3.0]),
                          verified=np.array([3, 4]),
-                         width_cycles=np.array([0, 2]))
+                         width_cycles=np.array([0, 2]),
+                         limit_cycles=np.array([0, 0, 2]))
   real = stats.select_rows([0])
   assert real.accepted.tolist() == [1] and int(real.cycles) == 2
   assert real.tokens_per_cycle == pytest.approx((1 + 2) / 2)

@@ -101,16 +101,16 @@ def test_expected_emitted_tokens_matches_a_direct_sum():
       theory.tokens_per_cycle_from_conditional_acceptance(r, 3))
 
 
-def _brute_force_goodput(conditional, active, draft_cost, verify_cost):
+def _brute_force_goodput(conditional, active, cycle_cost):
   """Best batch goodput over every per-row choice of k_b in 0..G, with a
   cycle costing by its longest proposal."""
   num_rows, gamma = conditional.shape
-  per_row = theory.expected_emitted_tokens(conditional)
+  per_row = np.asarray(theory.expected_emitted_tokens(conditional))
   best = 0.0
   for lengths in itertools.product(range(gamma + 1), repeat=num_rows):
     longest = max((k for k, a in zip(lengths, active) if a), default=0)
     tokens = sum(per_row[b, k] for b, k in enumerate(lengths) if active[b])
-    best = max(best, tokens / (longest * draft_cost + verify_cost[longest]))
+    best = max(best, tokens / cycle_cost[longest])
   return best
 
 
@@ -119,22 +119,24 @@ def _random_batch(seed):
   num_rows, gamma = rng.integers(1, 4), rng.integers(1, 5)
   conditional = rng.uniform(0, 1, (num_rows, gamma)) ** rng.uniform(0.2, 3)
   active = rng.uniform(size=num_rows) < 0.8
+  # max(k, 1) draft passes and a verify of k drafts, which costs at least a
+  # step and grows with k.
   draft_cost = rng.uniform(0, 0.5)
-  # A verify of K drafts costs at least a step and grows with K.
   verify_cost = np.concatenate([[1.0],
                                 1 + np.cumsum(rng.uniform(0, 0.6, gamma))])
-  return conditional, active, draft_cost, verify_cost
+  cycle_cost = np.maximum(np.arange(gamma + 1), 1) * draft_cost + verify_cost
+  return conditional, active, cycle_cost
 
 
-def _goodput(k, conditional, active, draft_cost, verify_cost):
-  per_row = theory.expected_emitted_tokens(conditional)
-  return per_row[active, k].sum() / (k * draft_cost + verify_cost[k])
+def _goodput(k, conditional, active, cycle_cost):
+  per_row = np.asarray(theory.expected_emitted_tokens(conditional))
+  return per_row[active, k].sum() / cycle_cost[k]
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_goodput_optimal_draft_length_is_the_brute_force_optimum(seed):
   batch = _random_batch(seed)
-  k = theory.goodput_optimal_draft_length(*batch)
+  k = int(theory.goodput_optimal_draft_length(*batch))
   assert 0 <= k <= batch[0].shape[1]
   np.testing.assert_allclose(_goodput(k, *batch),
                              _brute_force_goodput(*batch), rtol=1e-12)
@@ -152,13 +154,13 @@ def test_brute_force_check_rejects_always_drafting_gamma():
 
 
 def test_goodput_optimal_draft_length_stops_drafting_when_nothing_is_accepted():
-  verify_cost = np.array([1.0, 1.8, 2.0])
+  cycle_cost = np.array([1.05, 1.85, 2.1])
   never = np.zeros((4, 2))
-  assert theory.goodput_optimal_draft_length(never, np.ones(4, bool), 0.05,
-                                             verify_cost) == 0
+  assert theory.goodput_optimal_draft_length(never, np.ones(4, bool),
+                                             cycle_cost) == 0
   always = np.ones((4, 2))
-  assert theory.goodput_optimal_draft_length(always, np.ones(4, bool), 0.05,
-                                             verify_cost) == 2
+  assert theory.goodput_optimal_draft_length(always, np.ones(4, bool),
+                                             cycle_cost) == 2
 
 
 def test_conditional_acceptance_estimate_moves_from_the_prior_to_the_counts():

@@ -1,0 +1,94 @@
+"""The adaptive draft length: each cycle drafts the number of tokens that
+maximises the batch's expected output per unit of time.
+
+Before cycle n every row b has counts from its own earlier cycles: a_{b,i},
+the cycles that accepted draft i, and t_{b,i}, those that tried it
+(proposed it with drafts 1..i-1 accepted; `DecodeStats`). The policy drafts
+
+  K* = argmax_{K in 0..G}  sum_b active_b E_b(K) / C(K)
+
+  E_b(K) = 1 + sum_{i=1..K} prod_{j=1..i} r_{b,j}          expected tokens
+  r_{b,i} = (a_{b,i} + w r0) / (t_{b,i} + w)               Beta-prior mean
+  C(K) = max(K, 1) c + V(K)                                cost, in steps
+
+where c is a draft pass, V(K) the verify pass of the narrowest compiled width
+that holds K drafts (`verification.verify_widths`; K = 0 is a plain target
+step, width 1), both measured at this batch size and passed in as data
+(`CycleCosts`), and r0, w the prior (`AdaptiveDraftLength`). A cycle that
+drafts nothing still runs one draft pass, which feeds the context to the
+draft model so that its cache stays whole. Every row drafts K*: a cycle's
+passes have fixed shapes, so its cost is set by the longest proposal, and
+once that is K a row drafting fewer saves nothing (`theory`).
+
+Why the output law is the target's: K* is a function of the counts, which
+are functions of earlier cycles' tokens and randomness only, never of this
+cycle's target probabilities or uniforms. Given the past, cycle n is an
+ordinary speculative cycle with K* drafts, and every such cycle emits
+tokens with the target's law given the past, whatever K is (K = 0 samples
+the target directly). So the whole output has the target's law; a policy
+that looked at the current p (say, drafting more where the target is
+confident) would not. The Monte Carlo law test runs the loop with this
+policy, with costs that make it change K during the run.
+"""
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from spec_jax import theory
+from spec_jax.stats import DecodeStats
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdaptiveDraftLength:
+  """The prior of each row's acceptance estimate: r0 = prior_rate, worth
+  prior_weight cycles. A row with no history drafts as if each draft were
+  accepted with probability r0; its own counts take over as they grow."""
+
+  prior_rate: float = 0.6
+  prior_weight: float = 4.0
+
+  def __post_init__(self):
+    if not 0 < self.prior_rate < 1 or self.prior_weight <= 0:
+      raise ValueError(
+          f"AdaptiveDraftLength(prior_rate={self.prior_rate}, prior_weight="
+          f"{self.prior_weight}): need 0 < prior_rate < 1 and "
+          "prior_weight > 0.")
+
+
+@flax.struct.dataclass
+class CycleCosts:
+  """What the parts of a cycle cost at the decode's batch size, in target
+  steps: data, so that measured costs need no recompilation."""
+
+  draft_step: jax.Array  # [] float32, a draft pass.
+  # [W] float32, a verify pass and its rejection step at each compiled
+  # width (`verification.verify_widths`, narrowest first).
+  verify: jax.Array
+
+  @classmethod
+  def of(cls, draft_step: float, verify) -> "CycleCosts":
+    return cls(jnp.float32(draft_step), jnp.asarray(verify, jnp.float32))
+
+
+def cycle_cost(costs: CycleCosts, widths: tuple[int, ...],
+               gamma: int) -> jax.Array:
+  """C(K) for K = 0..gamma: [gamma + 1]."""
+  # The narrowest compiled width that holds K drafts and the last token.
+  width_index = [next(i for i, w in enumerate(widths) if w >= k + 1)
+                 for k in range(gamma + 1)]
+  drafts = jnp.maximum(jnp.arange(gamma + 1), 1)
+  return drafts * costs.draft_step + costs.verify[jnp.array(width_index)]
+
+
+def choose(policy: AdaptiveDraftLength, stats: DecodeStats, active,
+           costs: CycleCosts, widths: tuple[int, ...],
+           gamma: int) -> jax.Array:
+  """K* for this cycle, an int32 scalar (see the module docstring)."""
+  conditional = theory.conditional_acceptance_estimate(
+      stats.accepted_per_position, stats.tried_per_position,
+      policy.prior_rate, policy.prior_weight)
+  return theory.goodput_optimal_draft_length(
+      conditional, active, cycle_cost(costs, widths, gamma))

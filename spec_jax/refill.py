@@ -1,0 +1,106 @@
+"""More prompts than rows: a queue decoded through a fixed number of slots.
+
+A decode of P prompts through B < P rows (continuous batching) starts with
+the first B prompts. After every cycle the loop stores the outputs of the
+rows that finished under their prompts' indices (`Queue.flush`) and prefills
+the next queued prompt into each freed row (`refill`), inside the same
+`lax.while_loop`: the row's tokens, lengths and both caches are replaced by
+a one-row prefill's. The loop ends when the queue is empty and every row is
+done, so no row idles while prompts wait, and a fixed batch's cost of
+running every row until the slowest is done is paid once, at the end.
+
+Why the output law is unchanged: a refilled row starts from exactly the
+state a fresh decode of its prompt starts from (the prefill is the same
+function of the prompt), rows never read each other, and each cycle's
+randomness is fresh; so each prompt's tokens have the law a decode of that
+prompt alone has. Greedy outputs are each prompt's own greedy decode.
+"""
+
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from spec_jax.stats import DecodeStats
+
+
+@flax.struct.dataclass
+class Queue:
+  """Every prompt of a decode, and what has come back for each."""
+
+  prompts: jax.Array  # [P, W] int32, right-padded.
+  prompt_lengths: jax.Array  # [P] int32
+  next: jax.Array  # [] int32, the first prompt not yet given a row.
+  # [B] int32, the prompt each row decodes; P once its output is stored.
+  row_prompt: jax.Array
+  tokens: jax.Array  # [P, max_new_tokens] int32 outputs, as DecodeResult's.
+  num_tokens: jax.Array  # [P] int32
+  stats: DecodeStats | None  # rows [P]; the loop counters are the loop's.
+
+  @classmethod
+  def start(cls, prompts, prompt_lengths, num_rows: int, max_new_tokens: int,
+            stats: DecodeStats | None) -> "Queue":
+    """The first num_rows prompts in rows 0..num_rows-1, the rest queued;
+    stats: zero counters for P rows (None for a plain decode)."""
+    num_prompts = prompts.shape[0]
+    return cls(prompts=prompts, prompt_lengths=prompt_lengths,
+               next=jnp.int32(num_rows),
+               row_prompt=jnp.arange(num_rows, dtype=jnp.int32),
+               tokens=jnp.zeros((num_prompts, max_new_tokens), jnp.int32),
+               num_tokens=jnp.zeros((num_prompts,), jnp.int32), stats=stats)
+
+  @property
+  def size(self) -> int:
+    return self.prompts.shape[0]
+
+  def flush(self, done, tokens, num_tokens,
+            stats: DecodeStats | None) -> tuple["Queue", DecodeStats | None]:
+    """Stores the outputs (tokens [B, max_new_tokens], num_tokens [B]) and
+    statistics rows of the rows done [B] that still hold a prompt; those
+    rows then hold none, and their counters restart at 0 for the next."""
+    finished = done & (self.row_prompt < self.size)
+    index = jnp.where(finished, self.row_prompt, self.size)  # P is dropped
+    queue = self.replace(
+        tokens=self.tokens.at[index].set(tokens, mode="drop"),
+        num_tokens=self.num_tokens.at[index].set(num_tokens, mode="drop"),
+        row_prompt=jnp.where(finished, self.size, self.row_prompt))
+    if stats is None:
+      return queue, None
+    return (queue.replace(stats=stats.put_rows(self.stats, index)),
+            stats.clear_rows(finished))
+
+  def result_stats(self, loop_stats: DecodeStats) -> DecodeStats:
+    """Per-prompt counters, with the loop's own (cycles, widths, limits)."""
+    return self.stats.replace(cycles=loop_stats.cycles,
+                              width_cycles=loop_stats.width_cycles,
+                              limit_cycles=loop_stats.limit_cycles)
+
+
+def put_row(batch, row: jax.Array, one):
+  """`batch` (any pytree whose leaves have the batch as leading axis) with
+  its row `row` replaced by the one-row pytree `one`'s."""
+  return jax.tree.map(lambda b, o: b.at[row].set(o[0]), batch, one)
+
+
+def refill(state, prefill_row: Callable):
+  """Gives each done row the next queued prompt, one row at a time, until
+  the queue is empty or no row is free; state.queue must be flushed.
+
+  prefill_row(state, row, prompt [1, W], length [1]) -> state: the row reset
+  to a fresh prefill of the prompt, not done.
+  """
+  def free(state):
+    return jnp.any(state.done) & (state.queue.next < state.queue.size)
+
+  def fill(state):
+    queue = state.queue
+    row = jnp.argmax(state.done)
+    prompt = jax.lax.dynamic_slice_in_dim(queue.prompts, queue.next, 1)
+    length = jax.lax.dynamic_slice_in_dim(queue.prompt_lengths, queue.next, 1)
+    state = prefill_row(state, row, prompt, length)
+    return state.replace(queue=queue.replace(
+        next=queue.next + 1, row_prompt=queue.row_prompt.at[row].set(
+            queue.next)))
+
+  return jax.lax.while_loop(free, fill, state)

@@ -1,0 +1,106 @@
+"""The adaptive draft length in the loop: greedy output unchanged for every
+chain drafter while the policy changes the draft length during the run, the
+policy's choice as the cost model says, and clear errors."""
+
+import jax
+import numpy as np
+import pytest
+
+import spec_jax as sj
+from spec_jax import draft_length, eagle
+from conftest import tiny_pair
+
+MAX_NEW = 16
+GAMMA = 4
+# Widths 1, 3 and 5 at gamma 4 (verify_buckets=3). A draft pass costs a
+# fifth of a step and verifies cost more with width, so that rows that
+# accept often draft 4 and rows that are rejected draft less.
+COSTS = sj.CycleCosts.of(0.2, [1.0, 1.6, 2.2])
+
+
+@pytest.fixture(scope="module")
+def target_and_draft():
+  return tiny_pair(seed=3, num_layers=3, draft_noise=0.5)
+
+
+def drafters(target, draft):
+  config = eagle.EagleConfig.for_target(target.config)
+  return {
+      "model": sj.ModelDrafter(draft),
+      "ngram": sj.NgramDrafter(target.vocab_size),
+      "layer_skip": sj.LayerSkipDrafter(target, num_layers=1),
+      "eagle3": eagle.EagleDrafter(
+          target, eagle.init_params(config, jax.random.key(1), target),
+          config),
+  }
+
+
+def prompts(num_prompts, seed=0):
+  rng = np.random.default_rng(seed)
+  return sj.pad_prompts([rng.integers(0, 16, rng.integers(2, 10)).tolist()
+                         for _ in range(num_prompts)])
+
+
+@pytest.mark.parametrize("name", ["model", "ngram", "layer_skip", "eagle3"])
+def test_greedy_adaptive_equals_greedy_target(target_and_draft, name):
+  """With refill (12 prompts through 4 rows), and the draft length varying:
+  the loop drafted at least two different lengths."""
+  target, draft = target_and_draft
+  padded, lengths = prompts(12)
+  greedy = sj.Sampling(temperature=0)
+  config = sj.DecodeConfig(gamma=GAMMA, max_new_tokens=MAX_NEW,
+                           sampling=greedy, verify_buckets=3,
+                           adaptive=sj.AdaptiveDraftLength())
+  key = jax.random.key(0)
+  spec = sj.generate(key, target, drafters(target, draft)[name], padded,
+                     lengths, config, slots=4, costs=COSTS)
+  plain = sj.generate_autoregressive(key, target, padded, lengths, config)
+  np.testing.assert_array_equal(spec.tokens, plain.tokens)
+  limits = np.asarray(spec.stats.limit_cycles)
+  assert limits.sum() == int(spec.stats.cycles)
+  assert (limits > 0).sum() >= 2, limits
+
+
+def test_policy_drafts_the_cost_models_optimum():
+  """draft_length.choose against the goodput of each K computed by hand:
+  one row always accepted (counts 10/10), one never (0/10)."""
+  stats = sj.DecodeStats.zeros(2, 2, 3).replace(
+      accepted_per_position=np.array([[10, 10], [0, 0]]),
+      tried_per_position=np.array([[10, 10], [10, 0]]))
+  policy = sj.AdaptiveDraftLength(prior_rate=0.5, prior_weight=2)
+  widths = (1, 2, 3)
+  costs = sj.CycleCosts.of(0.1, [1.0, 1.5, 2.0])
+  r = np.array([[11 / 12, 11 / 12], [1 / 12, 0.5]])
+  emitted = np.stack([np.ones(2), 1 + r[:, 0], 1 + r[:, 0] + r.prod(1)], 1)
+  cost = np.array([0.1 + 1.0, 0.1 + 1.5, 0.2 + 2.0])
+  best = int(np.argmax(emitted.sum(0) / cost))
+  both = np.ones(2, bool)
+  assert int(draft_length.choose(policy, stats, both, costs, widths, 2)) \
+      == best == 1
+  # Only the row that is always accepted active: drafting 2 pays.
+  only_first = np.array([True, False])
+  assert int(draft_length.choose(policy, stats, only_first, costs, widths,
+                                 2)) == int(
+                                     np.argmax(emitted[0] / cost)) == 2
+
+
+def test_bad_policy_inputs_are_refused_before_compiling(target_and_draft):
+  target, draft = target_and_draft
+  padded, lengths = prompts(2)
+  adaptive = sj.DecodeConfig(gamma=GAMMA, max_new_tokens=MAX_NEW,
+                             verify_buckets=3,
+                             adaptive=sj.AdaptiveDraftLength())
+  key, drafter = jax.random.key(0), sj.ModelDrafter(draft)
+  with pytest.raises(ValueError, match="one verify cost per compiled width"):
+    sj.generate(key, target, drafter, padded, lengths, adaptive)
+  with pytest.raises(ValueError, match=r"width \(1, 3, 5\)"):
+    sj.generate(key, target, drafter, padded, lengths, adaptive,
+                costs=sj.CycleCosts.of(0.2, [1.0, 2.0]))
+  with pytest.raises(ValueError, match="needs a chain drafter"):
+    sj.generate(key, target, sj.TreeDrafter(draft, (2, 1)), padded, lengths,
+                adaptive, costs=COSTS)
+  fixed = sj.DecodeConfig(gamma=GAMMA, max_new_tokens=MAX_NEW)
+  with pytest.raises(ValueError, match="only the adaptive draft length"):
+    sj.generate(key, target, drafter, padded, lengths, fixed, costs=COSTS)
+  with pytest.raises(ValueError, match="prior_rate"):
+    sj.AdaptiveDraftLength(prior_rate=1.0)
