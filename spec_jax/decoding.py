@@ -184,7 +184,7 @@ class Cycle:
             drafter.update(self.draft_state, lengths - 1, self.verified))
 
 
-def _verify_widths(drafter: Drafter, config: DecodeConfig) -> tuple[int, ...]:
+def loop_verify_widths(drafter: Drafter, config: DecodeConfig) -> tuple[int, ...]:
   """The verify widths the loop chooses from: config.verify_buckets of them
   for a drafter that proposes fewer than gamma drafts in some cycles (or
   under a draft-length policy); for one
@@ -201,7 +201,7 @@ def _resample_chain(key, target, drafter, proposal, tokens, lengths, active,
   with jax.named_scope("verify"):
     verified, width = verify_proposed(
         target, proposal.target_cache, tokens, lengths, proposal.tokens,
-        proposal.probs, active, sampling, _verify_widths(drafter, config),
+        proposal.probs, active, sampling, loop_verify_widths(drafter, config),
         hidden_layers=drafter.target_layers)
   with jax.named_scope("resample"):
     new_tokens, num_accepted = config.resample(
@@ -227,7 +227,7 @@ def _resample_tree(key, target, drafter, proposal, tokens, lengths,
         verified.probs, greedy=sampling.greedy,
         depth=drafter.cycle_shape(config.gamma)[1])
   # A tree is verified whole: counted as the widest pass.
-  width = jnp.int32(len(_verify_widths(drafter, config)) - 1)
+  width = jnp.int32(len(loop_verify_widths(drafter, config)) - 1)
   # Node j sits at slot lengths + j in both caches (the last token at
   # lengths - 1); the path moves to lengths, lengths + 1, ... The hidden
   # states move with it, so `drafter.update` reads them as a chain's.
@@ -326,7 +326,7 @@ def _speculative_step(state: DecodeState, target: Model, drafter: Drafter,
   if config.adaptive is not None:
     max_drafts = draft_length.choose(
         config.adaptive, state.stats, active, costs,
-        _verify_widths(drafter, config), config.gamma)
+        loop_verify_widths(drafter, config), config.gamma)
   cycle = speculative_cycle(propose_key, resample_key, target, drafter,
                             state.draft_state, state.target_cache,
                             state.tokens, state.lengths, active, config,
@@ -378,7 +378,7 @@ def _initial_state(key, target, drafter, prompts, prompt_lengths, config,
     scratch, stats = 1, lambda rows: None
   else:
     num_nodes, depth = drafter.cycle_shape(config.gamma)
-    num_widths = len(_verify_widths(drafter, config))
+    num_widths = len(loop_verify_widths(drafter, config))
     scratch = num_nodes + 1
     stats = lambda rows: DecodeStats.zeros(rows, depth, num_widths)
   max_len = prompts.shape[1] + config.max_new_tokens + scratch
@@ -501,7 +501,7 @@ def _check_policy(drafter: Drafter, config: DecodeConfig,
     raise ValueError(
         f"the adaptive draft length needs a chain drafter; {drafter.describe()}"
         " drafts a tree, whose template fixes its drafts.")
-  widths = _verify_widths(drafter, config)
+  widths = loop_verify_widths(drafter, config)
   if costs is None or np.shape(costs.verify) != (len(widths),):
     got = None if costs is None else np.shape(costs.verify)
     raise ValueError(

@@ -106,3 +106,16 @@ def test_speedup_over_ar_uses_the_ar_time_given():
          "sd": {"tokens_per_s": 250.0}}
   assert timing.speedup_over_ar(run, 2.0) == {"ar_tokens_per_s": 100.0,
                                               "speedup": 2.5}
+
+
+def test_calibrated_cycle_costs_price_each_compiled_width():
+  """One cost per width the adaptive loop compiles, in target steps: a
+  width-1 pass is about a step, and each is positive."""
+  target, draft = tiny_pair()
+  config = DecodeConfig(gamma=4, verify_buckets=3,
+                        adaptive=sj.AdaptiveDraftLength())
+  costs = timing.calibrate_cycle_costs(target, sj.ModelDrafter(draft), 2, 48,
+                                       config, rounds=2)
+  assert costs.verify.shape == (3,)  # widths 1, 3 and 5
+  assert float(costs.draft_step) > 0 and (costs.verify > 0).all()
+  assert 0.3 < float(costs.verify[0]) < 3

@@ -33,6 +33,7 @@ import numpy as np
 
 from spec_jax import decoding, theory
 from spec_jax.decoding import DecodeConfig
+from spec_jax.draft_length import CycleCosts
 from spec_jax.model import Model
 from spec_jax.sampling import Sampling
 
@@ -341,6 +342,48 @@ class CycleTimer:
         "cycle_s": times["cycle"],
         "draft_prefill_s": times["draft_prefill"],
     }
+
+
+def calibrate_cycle_costs(target: Model, drafter, batch_size: int,
+                          max_len: int, config: DecodeConfig,
+                          rounds: int = 3) -> CycleCosts:
+  """What the adaptive draft length optimises (`draft_length.CycleCosts`),
+  measured at this batch size on a filled cache, as `CycleTimer` measures a
+  cycle's parts: a draft step, and a verify with its rejection step at each
+  width the loop compiles (`decoding.loop_verify_widths`), each over a
+  target step. A few seconds; run it once per program, before the decode.
+  """
+  key = jax.random.key(0)
+  tokens, lengths, _, target_cache, hidden = _context(
+      target, batch_size, max_len, drafter.target_layers)
+  draft_state = drafter.prefill(tokens, lengths, max_len, hidden)
+  proposal = drafter.propose(draft_state, target_cache, tokens, lengths, key,
+                             config.gamma, config.sampling)
+  verified = decoding.verify_and_resample(
+      key, target, drafter, proposal, tokens, lengths,
+      jnp.ones(lengths.shape, bool), config).verified
+  uniform = jnp.full_like(proposal.probs, 1.0 / target.vocab_size)
+  widths = decoding.loop_verify_widths(drafter, config)
+  # A proposal of w - 1 drafts per row runs the verify of width w.
+  verify = {
+      f"verify_{w}": functools.partial(
+          lambda n, p: _verify_steps(target, drafter, p, tokens, lengths, key,
+                                     n, config),
+          p=proposal.replace(probs=uniform.at[:, w - 1:].set(0.0)))
+      for w in widths}
+  timer = RoundTimer({
+      "target": lambda n: _decode_steps(target, target_cache, tokens[:, 0],
+                                        key, n, config.sampling),
+      "propose": lambda n: _propose_steps(
+          drafter, draft_state, target_cache, tokens, lengths, verified, key,
+          n, config),
+      **verify})
+  for _ in range(rounds):
+    timer.time_round()
+  seconds = timer.seconds()
+  step = seconds["target"]
+  return CycleCosts.of(seconds["propose"] / config.gamma / step,
+                       [seconds[f"verify_{w}"] / step for w in widths])
 
 
 class EveryNth:
