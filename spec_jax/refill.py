@@ -103,4 +103,10 @@ def refill(state, prefill_row: Callable):
         next=queue.next + 1, row_prompt=queue.row_prompt.at[row].set(
             queue.next)))
 
-  return jax.lax.while_loop(free, fill, state)
+  # The loop inside a cond that passes the state through when no row is
+  # free: a while loop, even of no iterations, costs a little on every cycle
+  # (its carry holds the caches); the cond's other branch updates nothing,
+  # so XLA copies no cache (both branches updating one would copy it).
+  return jax.lax.cond(free(state),
+                      lambda s: jax.lax.while_loop(free, fill, s),
+                      lambda s: s, state)
