@@ -98,9 +98,10 @@ class DecodeConfig:
 
 @flax.struct.dataclass
 class DecodeResult:
-  tokens: jax.Array  # [B, max_new_tokens] int32, PAD_ID past num_tokens.
-  num_tokens: jax.Array  # [B] int32 tokens emitted per row.
-  stats: DecodeStats | None = None  # None for autoregressive decoding.
+  tokens: jax.Array  # [P, max_new_tokens] int32, PAD_ID past num_tokens.
+  num_tokens: jax.Array  # [P] int32 tokens emitted per prompt.
+  # Rows per prompt; None for autoregressive decoding.
+  stats: DecodeStats | None = None
 
 
 @flax.struct.dataclass
@@ -322,9 +323,10 @@ def _speculative_step(state: DecodeState, target: Model, drafter: Drafter,
   """One cycle for every row, its tokens emitted and counted."""
   key, propose_key, resample_key = jax.random.split(state.key, 3)
   active = ~state.done
-  max_drafts = None
+  # The draft limit counted: gamma (a tree's depth) unless a policy chose.
+  max_drafts, limit = None, drafter.cycle_shape(config.gamma)[1]
   if config.adaptive is not None:
-    max_drafts = draft_length.choose(
+    max_drafts = limit = draft_length.choose(
         config.adaptive, state.stats, active, costs,
         loop_verify_widths(drafter, config), config.gamma)
   cycle = speculative_cycle(propose_key, resample_key, target, drafter,
@@ -336,10 +338,8 @@ def _speculative_step(state: DecodeState, target: Model, drafter: Drafter,
   target_cache, draft_state = cycle.advance(drafter, lengths)
   return state.replace(tokens=tokens, lengths=lengths, done=done,
                        target_cache=target_cache, draft_state=draft_state,
-                       key=key, stats=_count(
-                           state.stats, cycle, active,
-                           drafter.cycle_shape(config.gamma)[1]
-                           if max_drafts is None else max_drafts))
+                       key=key, stats=_count(state.stats, cycle, active,
+                                             limit))
 
 
 def _autoregressive_step(state: DecodeState, target: Model,
@@ -497,7 +497,7 @@ def _check_policy(drafter: Drafter, config: DecodeConfig,
       raise ValueError("costs were given, but only the adaptive draft length "
                        "reads them; set DecodeConfig(adaptive=...).")
     return
-  if drafter.cycle_shape(config.gamma) != (config.gamma, config.gamma):
+  if getattr(drafter, "template", None) is not None:
     raise ValueError(
         f"the adaptive draft length needs a chain drafter; {drafter.describe()}"
         " drafts a tree, whose template fixes its drafts.")
@@ -606,7 +606,8 @@ def generate_autoregressive(
                                          config, gamma=1,
                                          resample=rules.resample,
                                          resample_tree=rules.resample_tree,
-                                         verify_buckets=1), slots)
+                                         verify_buckets=1, adaptive=None),
+                                     slots)
 
 
 def pad_prompts(prompts, min_width: int = 1) -> tuple[np.ndarray, np.ndarray]:

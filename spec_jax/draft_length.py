@@ -18,11 +18,12 @@ step, width 1), both measured at this batch size and passed in as data
 drafts nothing still runs one draft pass, which feeds the context to the
 draft model so that its cache stays whole. Every row drafts K*: a cycle's
 passes have fixed shapes, so its cost is set by the longest proposal, and
-once that is K a row drafting fewer saves nothing (`theory`).
+once that is K a row drafting fewer saves nothing (`theory`). Every
+explore_every-th cycle drafts at least one token (`AdaptiveDraftLength`).
 
-Why the output law is the target's: K* is a function of the counts, which
-are functions of earlier cycles' tokens and randomness only, never of this
-cycle's target probabilities or uniforms. Given the past, cycle n is an
+Why the output law is the target's: K* is a function of the counts and of
+the cycle's number, which are functions of earlier cycles' tokens and
+randomness only, never of this cycle's target probabilities or uniforms. Given the past, cycle n is an
 ordinary speculative cycle with K* drafts, and every such cycle emits
 tokens with the target's law given the past, whatever K is (K = 0 samples
 the target directly). So the whole output has the target's law; a policy
@@ -45,17 +46,25 @@ from spec_jax.stats import DecodeStats
 class AdaptiveDraftLength:
   """The prior of each row's acceptance estimate: r0 = prior_rate, worth
   prior_weight cycles. A row with no history drafts as if each draft were
-  accepted with probability r0; its own counts take over as they grow."""
+  accepted with probability r0; its own counts take over as they grow.
+
+  explore_every: every explore_every-th cycle drafts at least one token. A
+  cycle of K = 0 tries no draft, so without it counts that once made K* = 0
+  would never change again, and a row whose drafts became good (a
+  repetitive stretch for prompt lookup) would never be seen to.
+  """
 
   prior_rate: float = 0.6
   prior_weight: float = 4.0
+  explore_every: int = 16
 
   def __post_init__(self):
-    if not 0 < self.prior_rate < 1 or self.prior_weight <= 0:
+    if (not 0 < self.prior_rate < 1 or self.prior_weight <= 0
+        or self.explore_every < 1):
       raise ValueError(
           f"AdaptiveDraftLength(prior_rate={self.prior_rate}, prior_weight="
-          f"{self.prior_weight}): need 0 < prior_rate < 1 and "
-          "prior_weight > 0.")
+          f"{self.prior_weight}, explore_every={self.explore_every}): need "
+          "0 < prior_rate < 1, prior_weight > 0 and explore_every >= 1.")
 
 
 @flax.struct.dataclass
@@ -90,5 +99,7 @@ def choose(policy: AdaptiveDraftLength, stats: DecodeStats, active,
   conditional = theory.conditional_acceptance_estimate(
       stats.accepted_per_position, stats.tried_per_position,
       policy.prior_rate, policy.prior_weight)
-  return theory.goodput_optimal_draft_length(
+  best = theory.goodput_optimal_draft_length(
       conditional, active, cycle_cost(costs, widths, gamma))
+  explore = stats.cycles % policy.explore_every == policy.explore_every - 1
+  return jnp.maximum(best, explore.astype(jnp.int32))

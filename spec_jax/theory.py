@@ -11,7 +11,8 @@ the paper), the walltime improvement over autoregressive decoding is
 
   speedup = tau / (gamma * c + v)          (Theorem 3.8 when v = 1).
 
-Every function takes scalars or numpy arrays, which broadcast.
+Every function takes scalars or numpy arrays, which broadcast (the three of
+the adaptive draft length, at the end, return jax arrays).
 """
 
 import jax.numpy as jnp
@@ -111,8 +112,8 @@ def speedup_from_depth_acceptance(depth_acceptance, draft_cost, verify_cost):
       np.asarray(draft_cost) + np.asarray(verify_cost))
 
 
-# The adaptive draft length (decoding.DraftLengthPolicy) runs these three in
-# the decode loop, on jax arrays; they take numpy arrays too.
+# The adaptive draft length (draft_length.py) runs these three in the decode
+# loop: they take numpy or jax arrays and return jax arrays.
 
 
 def conditional_acceptance_estimate(accepted, tried, prior_rate: float,

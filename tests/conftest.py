@@ -73,7 +73,7 @@ def loop_cycles(target, drafter, prompts, config, num_cycles=3, seed=2):
                  static_argnames="config")
   for _ in range(num_cycles):
     before = state.lengths
-    state = step(state, target, drafter, config)
+    state = step(state, target, drafter, config, None)
     yield state, np.asarray(state.lengths - before)
 
 

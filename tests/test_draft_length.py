@@ -41,7 +41,12 @@ def prompts(num_prompts, seed=0):
                          for _ in range(num_prompts)])
 
 
-@pytest.mark.parametrize("name", ["model", "ngram", "layer_skip", "eagle3"])
+@pytest.mark.parametrize("name", [
+    "model", "ngram",
+    # The same limit through the other two draft loops; slow, as the
+    # default suite's time is over its target.
+    pytest.param("layer_skip", marks=pytest.mark.slow),
+    pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_greedy_adaptive_equals_greedy_target(target_and_draft, name):
   """With refill (12 prompts through 4 rows), and the draft length varying:
   the loop drafted at least two different lengths."""
@@ -59,6 +64,30 @@ def test_greedy_adaptive_equals_greedy_target(target_and_draft, name):
   limits = np.asarray(spec.stats.limit_cycles)
   assert limits.sum() == int(spec.stats.cycles)
   assert (limits > 0).sum() >= 2, limits
+
+
+@pytest.mark.parametrize("name", [
+    "model", "ngram", pytest.param("layer_skip", marks=pytest.mark.slow),
+    pytest.param("eagle3", marks=pytest.mark.slow)])
+def test_no_drafts_where_drafting_cannot_pay(target_and_draft, name):
+  """Costs under which every draft costs 100 steps: the policy drafts
+  nothing, so every cycle is a plain target step (width 1), and the limit
+  reaches the drafter (nothing is drafted), with the output unchanged."""
+  target, draft = target_and_draft
+  padded, lengths = prompts(6)
+  config = sj.DecodeConfig(
+      gamma=GAMMA, max_new_tokens=MAX_NEW, sampling=sj.Sampling(temperature=0),
+      verify_buckets=3, adaptive=sj.AdaptiveDraftLength(explore_every=10**6))
+  key = jax.random.key(0)
+  spec = sj.generate(key, target, drafters(target, draft)[name], padded,
+                     lengths, config, slots=3,
+                     costs=sj.CycleCosts.of(100.0, [1.0, 200.0, 300.0]))
+  plain = sj.generate_autoregressive(key, target, padded, lengths, config)
+  np.testing.assert_array_equal(spec.tokens, plain.tokens)
+  stats = spec.stats
+  assert int(np.asarray(stats.drafted).sum()) == 0
+  assert np.asarray(stats.width_cycles).tolist()[1:] == [0, 0]
+  assert np.asarray(stats.limit_cycles)[1:].sum() == 0
 
 
 def test_policy_drafts_the_cost_models_optimum():
@@ -102,5 +131,11 @@ def test_bad_policy_inputs_are_refused_before_compiling(target_and_draft):
   fixed = sj.DecodeConfig(gamma=GAMMA, max_new_tokens=MAX_NEW)
   with pytest.raises(ValueError, match="only the adaptive draft length"):
     sj.generate(key, target, drafter, padded, lengths, fixed, costs=COSTS)
+  with pytest.raises(ValueError, match="needs a chain drafter"):
+    # A tree of one child per depth has a chain's shape, but not its limit.
+    sj.generate(key, target, sj.TreeDrafter(draft, (1,) * GAMMA), padded,
+                lengths, adaptive, costs=COSTS)
   with pytest.raises(ValueError, match="prior_rate"):
     sj.AdaptiveDraftLength(prior_rate=1.0)
+  with pytest.raises(ValueError, match="explore_every"):
+    sj.AdaptiveDraftLength(explore_every=0)
