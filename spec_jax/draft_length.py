@@ -19,7 +19,7 @@ drafts nothing still runs one draft pass, which feeds the context to the
 draft model so that its cache stays whole. Every row drafts K*: a cycle's
 passes have fixed shapes, so its cost is set by the longest proposal, and
 once that is K a row drafting fewer saves nothing (`theory`). Every
-explore_every-th cycle drafts at least one token (`AdaptiveDraftLength`).
+explore_every-th cycle drafts gamma tokens (`AdaptiveDraftLength`).
 
 Why the output law is the target's: K* is a function of the counts and of
 the cycle's number, which are functions of earlier cycles' tokens and
@@ -48,15 +48,16 @@ class AdaptiveDraftLength:
   prior_weight cycles. A row with no history drafts as if each draft were
   accepted with probability r0; its own counts take over as they grow.
 
-  explore_every: every explore_every-th cycle drafts at least one token. A
-  cycle of K = 0 tries no draft, so without it counts that once made K* = 0
-  would never change again, and a row whose drafts became good (a
-  repetitive stretch for prompt lookup) would never be seen to.
+  explore_every: every explore_every-th cycle drafts gamma tokens. A cycle
+  tries only the drafts it proposes, so without it counts that once made
+  K* small would never be tested at the positions past K* again, and rows
+  whose drafts became good (a repetitive stretch for prompt lookup, or a
+  prior below the pair's acceptance) would never be seen to be.
   """
 
   prior_rate: float = 0.6
   prior_weight: float = 4.0
-  explore_every: int = 16
+  explore_every: int = 32
 
   def __post_init__(self):
     if (not 0 < self.prior_rate < 1 or self.prior_weight <= 0
@@ -102,4 +103,4 @@ def choose(policy: AdaptiveDraftLength, stats: DecodeStats, active,
   best = theory.goodput_optimal_draft_length(
       conditional, active, cycle_cost(costs, widths, gamma))
   explore = stats.cycles % policy.explore_every == policy.explore_every - 1
-  return jnp.maximum(best, explore.astype(jnp.int32))
+  return jnp.where(explore, gamma, best).astype(jnp.int32)

@@ -58,6 +58,14 @@ def test_crossover_is_the_first_batch_size_where_sd_is_slower():
       "0": 32, "1": 32}
 
 
+def test_refill_steps_count_the_refilled_ar_loops_iterations():
+  # Two rows: prompts of 3 and 5 tokens start; the 3's row takes the 4
+  # (steps 4-7), the 5's row the 1 (step 6); the loop ends after step 7.
+  assert batch_scaling.refill_steps([3, 5, 4, 1], 2) == 7
+  assert batch_scaling.refill_steps([3, 5], 2) == 5
+  assert batch_scaling.refill_steps([2, 2, 2], 1) == 6
+
+
 def test_bad_batch_sizes_are_refused_before_loading(tmp_path):
   result = run_module("experiments.batch_scaling",
                       "--config=configs/batch_scaling.py",
@@ -75,8 +83,11 @@ def test_smoke_run_writes_the_json_and_the_plot(tmp_path):
   report = json.loads((tmp_path / "batch_scaling.json").read_text())
   assert {"code_version", "config", "rows", "crossover"} <= set(report)
   rows = report["rows"]
-  assert [(r["temperature"], r["batch_size"]) for r in rows] == [
-      (0, 1), (0, 2), (1, 1), (1, 2)]
+  assert [(r["temperature"], r["batch_size"], r["refill"], r["policy"])
+          for r in rows] == [
+              (t, b, refill, policy) for t in (0, 1) for b in (1, 2)
+              for refill, policy in ((False, "fixed"), (True, "fixed"),
+                                     (True, "adaptive"))]
   for row in rows:
     assert {"speedup", "predicted_speedup_iid", "predicted_speedup",
             "tokens_per_cycle", "verify_cost_ratio", "draft_cost_ratio",
@@ -86,6 +97,11 @@ def test_smoke_run_writes_the_json_and_the_plot(tmp_path):
     assert row["verify_cost_ratio"] > 0 and row["draft_cost_ratio"] > 0
     assert row["speedup"] == pytest.approx(
         row["sd_tokens_per_s"] / row["ar_tokens_per_s"])
+    if row["refill"]:
+      assert sum(row["limit_cycles"]) == row["cycles"]
+  adaptive = [r for r in rows if r["policy"] == "adaptive"]
+  assert all(len(r["cycle_costs"]["verify"]) == 3 for r in adaptive)
   assert set(report["crossover"]) == {"measured", "predicted"}
-  assert set(report["crossover"]["measured"]) == {"0", "1"}
+  assert {"0", "1", "0 fixed refill", "1 adaptive refill"} <= set(
+      report["crossover"]["measured"])
   assert (tmp_path / "batch_scaling.png").read_bytes()[:4] == b"\x89PNG"

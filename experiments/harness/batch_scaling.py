@@ -29,17 +29,34 @@ the AR steps an SD loop cycle replaces fall below tau as rows diverge. SD
 stops paying where v crosses the break-even. (On a CPU whose one-row matmul
 is a fast GEMV and whose 2-row one is not, v can also drop from batch 1 to 2:
 the step leaves the fast path first.)
+
+Each (temperature, batch size) runs three ways. `refill: false, policy:
+fixed` decodes the prompts in fixed batches, each until its slowest row is
+done (the rows above). With `refill: true` the whole prompt queue goes
+through batch_size rows (`generate(..., slots=B)`), a finished row taking
+the next prompt inside the loop, for AR and SD alike, AR with refill being
+the baseline of both refill rows: `policy: fixed` drafts gamma every cycle,
+`policy: adaptive` the goodput-optimal K of `spec_jax.draft_length`, from
+costs calibrated at this batch size before the runs (`cycle_costs` in the
+row). The refill rows reuse the fixed batches' component costs (the same
+target, drafter and batch size) for their predictions; their AR steps are
+the refilled AR loop's iterations (`refill_steps`).
 """
 
+import dataclasses
 import logging
 import time
 
+import jax
 import ml_collections
+import numpy as np
 
-from experiments.harness import compare, gamma_sweep, loading, timing
+from experiments.harness import compare, gamma_sweep, loading, records, timing
 from experiments.harness import config as config_lib
-from spec_jax import theory
-from spec_jax.decoding import pad_prompts
+from spec_jax import sharding, theory
+from spec_jax.decoding import (generate, generate_autoregressive,
+                               loop_verify_widths, pad_prompts)
+from spec_jax.draft_length import AdaptiveDraftLength
 
 _log = logging.getLogger(__name__)
 
@@ -71,12 +88,88 @@ def row_of(batch_size: int, run: dict, costs: timing.Costs) -> dict:
   }
 
 
+def refill_steps(num_tokens, slots: int) -> int:
+  """Iterations of an AR loop that decodes prompts emitting num_tokens [P]
+  tokens each through `slots` rows, refilling in prompt order: a row emits
+  one token per iteration, and a freed row starts the next prompt at the
+  next iteration (as `spec_jax.refill` does)."""
+  remaining = list(num_tokens[:slots])
+  queue, steps = list(num_tokens[slots:]), 0
+  while remaining:
+    step = min(remaining)
+    steps += step
+    remaining = [r - step for r in remaining]
+    for index in [i for i, r in enumerate(remaining) if r == 0]:
+      remaining[index] = queue.pop(0) if queue else 0
+    remaining = [r for r in remaining if r > 0]
+  return steps
+
+
+def refill_rows(config: ml_collections.ConfigDict, loaded: loading.Loaded,
+                prompts: loading.Prompts, batch_size: int,
+                temperature: float, width: int, max_len: int,
+                costs: timing.Costs) -> list[dict]:
+  """The refill rows at one (temperature, batch size): the prompt queue
+  through batch_size rows, AR, SD at gamma and SD with the adaptive draft
+  length timed side by side (AR the baseline of both)."""
+  target, drafter = loaded.target.model, loaded.drafter
+  padded, lengths = pad_prompts(compare.encode(prompts,
+                                               loaded.target.tokenizer),
+                                min_width=width)
+  fixed = config_lib.decode_config(config, temperature,
+                                   eos_id=loaded.target.stop_ids)
+  adaptive = dataclasses.replace(fixed, verify_buckets=3,
+                                 adaptive=AdaptiveDraftLength())
+  cycle_costs = timing.calibrate_cycle_costs(target, drafter, batch_size,
+                                             max_len, adaptive)
+  key = jax.random.key(config.seed)
+  decoders = {
+      "ar": lambda p, n: sharding.to_host(generate_autoregressive(
+          key, target, p, n, fixed, slots=batch_size)),
+      "fixed": lambda p, n: sharding.to_host(generate(
+          key, target, drafter, p, n, fixed, slots=batch_size)),
+      "adaptive": lambda p, n: sharding.to_host(generate(
+          key, target, drafter, p, n, adaptive, slots=batch_size,
+          costs=cycle_costs)),
+  }
+  for decode in decoders.values():  # compiles
+    jax.block_until_ready(decode(padded, lengths))
+  timed = timing.interleave(decoders, [(padded, lengths)],
+                            config.timing_repeats)
+  ar_tokens = np.asarray(timed["ar"][0][0].num_tokens)
+  ar = {"new_tokens": int(ar_tokens.sum()), "wall_s": timed["ar"][1],
+        "tokens_per_s": int(ar_tokens.sum()) / timed["ar"][1],
+        "steps": refill_steps(ar_tokens.tolist(), batch_size)}
+  rows = []
+  for policy in ("fixed", "adaptive"):
+    (result,), seconds, _ = timed[policy]
+    new_tokens = int(np.asarray(result.num_tokens).sum())
+    run = {"gamma": config.gamma, "temperature": temperature,
+           # Prefills priced as the fixed batches' would be.
+           "num_batches": -(-len(padded) // batch_size), "ar": ar,
+           "sd": {"new_tokens": new_tokens, "wall_s": seconds,
+                  "tokens_per_s": new_tokens / seconds,
+                  **result.stats.summary()}}
+    row = row_of(batch_size, run, costs)
+    row.update(policy=policy, refill=True, cycles=run["sd"]["cycles"],
+               limit_cycles=run["sd"]["limit_cycles"])
+    if policy == "adaptive":
+      row["cycle_costs"] = {
+          "draft_step": float(cycle_costs.draft_step),
+          "verify_widths": list(loop_verify_widths(drafter, adaptive)),
+          "verify": np.asarray(cycle_costs.verify).tolist()}
+    rows.append(row)
+  return rows
+
+
 def crossover(rows: list[dict], key: str) -> dict:
   """{temperature: the smallest batch size at which `key` (a speedup) is
   below 1, or None if it never is}."""
   result = {}
   for row in sorted(rows, key=lambda r: r["batch_size"]):
     name = f"{row['temperature']:g}"
+    if "policy" in row and (row["policy"], row["refill"]) != ("fixed", False):
+      name += f" {row['policy']}{' refill' if row['refill'] else ''}"
     result.setdefault(name, None)
     if result[name] is None and row[key] < 1:
       result[name] = row["batch_size"]
@@ -87,16 +180,18 @@ def batch_scaling(config: ml_collections.ConfigDict, loaded: loading.Loaded,
                   prompts) -> dict:
   """Runs every (temperature, batch size) of config on the same prompts.
 
-  Returns {"rows", "crossover"}: one row per (temperature, batch size), and
-  per temperature the smallest batch size at which SD is slower than AR,
-  measured and predicted. Logs a progress line per row.
+  Returns {"rows", "crossover"}: three rows per (temperature, batch size)
+  (fixed batches; refill with gamma; refill with the adaptive draft
+  length), and per temperature (and policy) the smallest batch size at
+  which SD is slower than AR, measured and predicted. Logs a progress line
+  per (temperature, batch size).
   """
   sizes = config_lib.batch_sizes(config)
   temperatures = config_lib.temperatures(config)
   prompts = loading.Prompts.of(prompts)
-  if len(prompts.texts) < max(sizes):
-    _log.warning("%d prompts fill no batch of %d: its padding rows cost time "
-                 "but emit no counted token; raise --config.num_prompts.",
+  if len(prompts.texts) < 4 * max(sizes):
+    _log.warning("%d prompts are fewer than 4 per row at batch %d: refill "
+                 "has little to reuse; raise --config.num_prompts.",
                  len(prompts.texts), max(sizes))
   width = pad_prompts(compare.encode(prompts, loaded.target.tokenizer))[
       0].shape[1]
@@ -115,37 +210,37 @@ def batch_scaling(config: ml_collections.ConfigDict, loaded: loading.Loaded,
       run, parts = gamma_sweep.measure_row(
           at_batch, config.gamma, temperature, loaded, prompts, width,
           max_len, target_timer, target_every=1, min_rounds=config.rounds)
-      rows.append(row_of(batch_size, run,
-                         timing.Costs(**parts, **target_timer.seconds())))
-      row, elapsed = rows[-1], time.perf_counter() - start
+      costs = timing.Costs(**parts, **target_timer.seconds())
+      at_size = [{**row_of(batch_size, run, costs), "policy": "fixed",
+                  "refill": False}]
+      at_size += refill_rows(config, loaded, prompts, batch_size,
+                             temperature, width, max_len, costs)
+      rows.extend(at_size)
+      done, elapsed = len(rows) // 3, time.perf_counter() - start
       _log.info(
-          "[%d/%d] T=%g batch=%2d: tau %.2f, c %.3f, verify/step %.2f, "
-          "speedup %.2fx (predicted %.2fx) | %.0f s, ETA %.0f s", len(rows),
-          total, temperature, batch_size, row["tokens_per_cycle"],
-          row["draft_cost_ratio"], row["verify_cost_ratio"], row["speedup"],
-          row["predicted_speedup_iid"], elapsed,
-          elapsed / len(rows) * (total - len(rows)))
+          "[%d/%d] T=%g batch=%2d: tau %.2f, c %.3f, verify/step %.2f; "
+          "SD/AR %.2fx batched, %.2fx refilled, %.2fx adaptive | %.0f s, "
+          "ETA %.0f s", done, total, temperature, batch_size,
+          at_size[0]["tokens_per_cycle"], at_size[0]["draft_cost_ratio"],
+          at_size[0]["verify_cost_ratio"],
+          *(row["speedup"] for row in at_size), elapsed,
+          elapsed / done * (total - done))
   return {"rows": rows,
           "crossover": {"measured": crossover(rows, "speedup"),
                         "predicted": crossover(rows, "predicted_speedup_iid")}}
 
 
 def format_table(rows: list[dict]) -> str:
-  lines = [f"{'T':>3} {'batch':>5} {'alpha':>6} {'tau':>5} {'c':>6} "
-           f"{'verify':>6} {'/(g+1)':>6} {'step ms':>7} {'ms/row':>6} "
-           f"{'AR/cycle':>8} {'AR tok/s':>8} {'SD tok/s':>8} {'speedup':>7} "
-           f"{'predicted':>9} {'priced':>6} {'break-even v':>12}"]
-  for r in rows:
-    lines.append(
-        f"{r['temperature']:>3g} {r['batch_size']:>5d} "
-        f"{r['alpha_min_pq']:>6.3f} {r['tokens_per_cycle']:>5.2f} "
-        f"{r['draft_cost_ratio']:>6.3f} {r['verify_cost_ratio']:>6.2f} "
-        f"{r['verify_over_gamma_plus_1']:>6.2f} "
-        f"{1e3 * r['target_step_s']:>7.2f} "
-        f"{1e3 * r['target_step_s_per_row']:>6.3f} "
-        f"{r['ar_steps_per_sd_cycle']:>8.2f} "
-        f"{r['ar_tokens_per_s']:>8.1f} {r['sd_tokens_per_s']:>8.1f} "
-        f"{r['speedup']:>6.2f}x {r['predicted_speedup_iid']:>8.2f}x "
-        f"{r['predicted_speedup']:>5.2f}x "
-        f"{r['break_even_verify_cost']:>12.2f}")
-  return "\n".join(lines)
+  return records.text_table(rows, [
+      ("T", "{temperature:g}"), ("batch", "{batch_size:d}"),
+      ("policy", "{policy}"), ("refill", "{refill}"),
+      ("alpha", "{alpha_min_pq:.3f}"), ("tau", "{tokens_per_cycle:.2f}"),
+      ("c", "{draft_cost_ratio:.3f}"), ("verify", "{verify_cost_ratio:.2f}"),
+      ("/(g+1)", "{verify_over_gamma_plus_1:.2f}"),
+      ("step s", "{target_step_s:.4f}"),
+      ("AR/cycle", "{ar_steps_per_sd_cycle:.2f}"),
+      ("AR tok/s", "{ar_tokens_per_s:.1f}"),
+      ("SD tok/s", "{sd_tokens_per_s:.1f}"), ("speedup", "{speedup:.2f}x"),
+      ("predicted", "{predicted_speedup_iid:.2f}x"),
+      ("priced", "{predicted_speedup:.2f}x"),
+      ("break-even v", "{break_even_verify_cost:.2f}")])

@@ -141,32 +141,49 @@ def tree_ablation_figure(rows) -> Figure:
 
 
 def batch_scaling_figure(rows) -> Figure:
-  """Against batch size, per temperature: speedup measured and predicted
-  (the i.i.d. model at the measured alpha, c and verify cost; dotted, the
-  runs' work priced at the component times), tau and the AR steps each SD
-  loop cycle replaced, and verify / step beside gamma + 1 and the break-even
-  verify cost above which SD is slower than AR."""
+  """Against batch size, per temperature: speedup over AR, one line per
+  policy (fixed batches; refill at gamma; refill with the adaptive draft
+  length), with the fixed batches' prediction (the i.i.d. model at the
+  measured alpha, c and verify cost; dotted, the runs' work priced at the
+  component times); tau and the AR steps each SD loop cycle replaced, in
+  fixed batches and with refill; and verify / step beside gamma + 1 and the
+  break-even verify cost above which SD is slower than AR."""
   figure = Figure(figsize=(13, 4), layout="constrained")
   speedup, tau, verify = figure.subplots(1, 3)
-  groups = {}
-  for row in sorted(rows, key=lambda r: r["batch_size"]):
-    groups.setdefault(row["temperature"], []).append(row)
-  for index, (temperature, group) in enumerate(groups.items()):
+  kinds = {(False, "fixed"): ("o-", "fixed batches"),
+           (True, "fixed"): ("^-", "refill"),
+           (True, "adaptive"): ("D-", "refill, adaptive")}
+  for index, temperature in enumerate(sorted({r["temperature"]
+                                              for r in rows})):
     color, label = f"C{index}", f"T={temperature:g}"
+    of = lambda refill, policy, t=temperature: sorted(
+        (r for r in rows if r["temperature"] == t
+         and r.get("refill", False) == refill
+         and r.get("policy", "fixed") == policy),
+        key=lambda r: r["batch_size"])
+    for (refill, policy), (marker, name) in kinds.items():
+      group = of(refill, policy)
+      if group:
+        speedup.plot([r["batch_size"] for r in group],
+                     [r["speedup"] for r in group], marker, color=color,
+                     label=f"{label} {name}")
+    group = of(False, "fixed")
     sizes = [r["batch_size"] for r in group]
     column = lambda key, group=group: [r[key] for r in group]
-    speedup.plot(sizes, column("speedup"), "o-", color=color,
-                 label=f"{label} measured")
     speedup.plot(sizes, column("predicted_speedup_iid"), "s--", color=color,
-                 alpha=0.7, label=f"{label} predicted")
+                 alpha=0.5, label=f"{label} predicted")
     speedup.plot(sizes, column("predicted_speedup"), ":", color=color,
-                 alpha=0.7, label=f"{label} work priced")
+                 alpha=0.5, label=f"{label} work priced")
     tau.plot(sizes, column("tokens_per_cycle"), "o-", color=color,
              label=f"{label} tau measured")
-    tau.plot(sizes, column("predicted_tokens_per_cycle_iid"), "s--",
-             color=color, alpha=0.7, label=f"{label} tau i.i.d. at alpha")
     tau.plot(sizes, column("ar_steps_per_sd_cycle"), "v:", color=color,
              alpha=0.7, label=f"{label} AR steps per SD cycle")
+    refilled = of(True, "fixed")
+    if refilled:
+      tau.plot([r["batch_size"] for r in refilled],
+               [r["ar_steps_per_sd_cycle"] for r in refilled], "^--",
+               color=color, alpha=0.7,
+               label=f"{label} AR steps per SD cycle, refill")
     verify.plot(sizes, column("verify_cost_ratio"), "o-", color=color,
                 label=f"{label} verify / step")
     verify.plot(sizes, column("break_even_verify_cost"), "^--", color=color,
@@ -185,7 +202,7 @@ def batch_scaling_figure(rows) -> Figure:
                     [str(b) for b in sorted({r["batch_size"] for r in rows})])
     axes.set_xlabel(f"batch size (gamma {gamma})")
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=7)
+    axes.legend(fontsize=6)
   return figure
 
 
