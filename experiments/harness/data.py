@@ -101,10 +101,13 @@ def random_windows(tokens: np.ndarray, batch_size: int, length: int,
 def prompts_from_texts(tokenizer, texts, num_prompts: int,
                        prompt_tokens: int, seed: int) -> list[str]:
   """Prompts of prompt_tokens tokens, each starting at a line start of a
-  different text (texts taken in a seeded order)."""
+  different text (texts taken in a seeded order); past one per text, the
+  texts are taken again in the same order, each at another line start."""
   rng = np.random.default_rng(seed)
+  order = rng.permutation(len(texts))
   prompts = []
-  for index in rng.permutation(len(texts)):
+  # A few passes at most: a text too short for one prompt is for none.
+  for index in np.tile(order, 8):
     text = texts[index]
     line_starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
     line_starts = line_starts[:max(1, len(line_starts) // 2)]
