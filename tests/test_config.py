@@ -27,6 +27,7 @@ def test_unwritable_workdir_is_refused(tmp_path):
     ("run", "quickstart", "--config.drafter=medusa", "choose one of"),
     # Bad gammas fail before any loading.
     ("gamma_sweep", "gamma_sweep", "--config.gammas=0,2", "gammas >= 1"),
+    ("run", "quickstart", "--config.policy=greedy", "fixed or adaptive"),
 ])
 def test_bad_config_is_refused_with_what_to_change(tmp_path, module, config,
                                                    flag, message):
@@ -52,4 +53,16 @@ def test_tree_config_builds_a_tree_drafter():
   assert drafter.template == sj.TreeTemplate((3, 2, 1, 1))
   config.drafter = "ngram"
   with pytest.raises(ValueError, match="drafter=model"):
+    config_lib.check(config)
+
+
+def test_adaptive_policy_config_gives_the_decode_its_policy():
+  config = quickstart_configs.get_config()
+  assert config_lib.decode_config(config, 0.0).adaptive is None
+  config.policy = "adaptive"
+  decode = config_lib.decode_config(config, 0.0)
+  assert decode.adaptive == sj.AdaptiveDraftLength()
+  assert decode.verify_buckets == 3
+  config.tree = (2, 1)
+  with pytest.raises(ValueError, match="Unset --config.tree"):
     config_lib.check(config)

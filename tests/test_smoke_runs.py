@@ -38,6 +38,20 @@ def test_main_job_smoke_run_and_flag_overrides(tiny_models, tmp_path):
   assert "speedup" in result.stdout
 
 
+@pytest.mark.slow  # about 30 s: the cost calibration and two decode loops
+def test_main_job_with_the_adaptive_draft_length(tiny_models, tmp_path):
+  """--config.policy=adaptive: costs calibrated, greedy SD still AR's, and
+  the cycles counted by draft length."""
+  run_on_tiny_pair("run", "quickstart", tiny_models, tmp_path,
+                   f"--config.corpus={CORPUS}", "--config.prompt_tokens=8",
+                   "--config.policy=adaptive")
+  results = json.loads((tmp_path / "results.json").read_text())
+  greedy = results["runs"][0]
+  assert sum(greedy["sd"]["limit_cycles"]) == greedy["sd"]["cycles"]
+  for sample in greedy["samples"]:
+    assert sample["sd_tokens"] == sample["ar_tokens"]
+
+
 @pytest.mark.parametrize("drafter", [
     "model", pytest.param("ngram", marks=pytest.mark.slow),
     pytest.param("layer_skip", marks=pytest.mark.slow)])

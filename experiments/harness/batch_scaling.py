@@ -186,6 +186,9 @@ def batch_scaling(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   which SD is slower than AR, measured and predicted. Logs a progress line
   per (temperature, batch size).
   """
+  if config.policy != "fixed":
+    raise ValueError("batch_scaling runs both draft-length policies side by "
+                     "side; leave --config.policy unset.")
   sizes = config_lib.batch_sizes(config)
   temperatures = config_lib.temperatures(config)
   prompts = loading.Prompts.of(prompts)
@@ -216,6 +219,10 @@ def batch_scaling(config: ml_collections.ConfigDict, loaded: loading.Loaded,
       at_size += refill_rows(config, loaded, prompts, batch_size,
                              temperature, width, max_len, costs)
       rows.extend(at_size)
+      # Each cell compiles a dozen programs (both decodes at this batch in
+      # fixed batches and refilled, the timers) that no other cell reuses;
+      # kept, their code exhausted memory late in a full run.
+      jax.clear_caches()
       done, elapsed = len(rows) // 3, time.perf_counter() - start
       _log.info(
           "[%d/%d] T=%g batch=%2d: tau %.2f, c %.3f, verify/step %.2f; "

@@ -43,14 +43,15 @@ def batches(prompt_ids: list[list[int]], batch_size: int, width: int,
 
 
 def decoders(loaded: loading.Loaded, decode_config: DecodeConfig, key,
-             mesh=None) -> dict:
-  """{"ar": fn, "sd": fn}, each fn(prompts, lengths) -> host DecodeResult."""
+             mesh=None, costs=None) -> dict:
+  """{"ar": fn, "sd": fn}, each fn(prompts, lengths) -> host DecodeResult;
+  costs: the adaptive draft length's (`timing.calibrate_cycle_costs`)."""
   target, drafter = loaded.target.model, loaded.drafter
   return {
       "ar": lambda p, n: sharding.to_host(generate_autoregressive(
           key, target, p, n, decode_config, mesh)),
       "sd": lambda p, n: sharding.to_host(generate(
-          key, target, drafter, p, n, decode_config, mesh)),
+          key, target, drafter, p, n, decode_config, mesh, costs=costs)),
   }
 
 
@@ -147,10 +148,17 @@ def compare_at(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   width = pad_prompts(prompt_ids)[0].shape[1]
   decode_config = config_lib.decode_config(
       config, temperature, gamma=gamma, eos_id=loaded.target.stop_ids)
-  run = decoders(loaded, decode_config,
-                 jax.random.key(config.seed + seed_offset), mesh)
   groups = groups_of(prompts)
   all_batches = batches(prompt_ids, config.batch_size, width, groups)
+  costs = None
+  if decode_config.adaptive is not None:
+    # At the batch size and cache length the decode runs with.
+    max_len = width + config.max_new_tokens + decode_config.gamma + 1
+    costs = timing.calibrate_cycle_costs(loaded.target.model, loaded.drafter,
+                                         config.batch_size, max_len,
+                                         decode_config)
+  run = decoders(loaded, decode_config,
+                 jax.random.key(config.seed + seed_offset), mesh, costs)
   warmup = timing.interleave(run, all_batches[:1])
   timed = timing.interleave(run, all_batches, config.timing_repeats, timers)
   record = run_record(decode_config, config.batch_size, prompts, groups,

@@ -13,6 +13,7 @@ import ml_collections
 
 from spec_jax import rules
 from spec_jax.decoding import DecodeConfig
+from spec_jax.draft_length import AdaptiveDraftLength
 from spec_jax.draft_tree import TreeTemplate
 from spec_jax.sampling import Sampling
 
@@ -55,6 +56,11 @@ def base_config() -> ml_collections.ConfigDict:
   # (always gamma + 1), 2 (a plain target step when no row proposed
   # anything), 3 (and gamma // 2 + 1). See spec_jax DecodeConfig.
   config.verify_buckets = 2
+  # The draft length: "fixed" drafts gamma every cycle; "adaptive" drafts
+  # the K in 0..gamma that maximises expected tokens per unit cost, from
+  # each row's acceptance so far and costs calibrated at the batch size
+  # before the runs (spec_jax.draft_length; 3 verify widths).
+  config.policy = "fixed"
   # For drafter=model or eagle3: () drafts a chain of gamma; branching per
   # depth, e.g. --config.tree=3,2,1,1, draft a tree of that shape instead
   # (spec_jax.TreeTemplate), verified in one pass; gamma is then unused.
@@ -151,12 +157,14 @@ def decode_config(config: ml_collections.ConfigDict, temperature: float, *,
                   gamma: int | None = None, eos_id=None) -> DecodeConfig:
   """The decode settings of a config at one temperature (and gamma, for a
   sweep row)."""
+  adaptive = config.get("policy", "fixed") == "adaptive"
   return DecodeConfig(
       gamma=config.gamma if gamma is None else gamma,
       max_new_tokens=config.max_new_tokens,
       sampling=sampling(config, temperature), eos_id=eos_id,
       resample=RESAMPLERS[config.verification],
-      verify_buckets=config.verify_buckets)
+      verify_buckets=3 if adaptive else config.verify_buckets,
+      adaptive=AdaptiveDraftLength() if adaptive else None)
 
 
 def chains(config: ml_collections.ConfigDict) -> tuple[int, ...]:
@@ -178,6 +186,11 @@ def check(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError, before anything loads, on settings that cannot
   work. The drafter's name is checked beside the drafters' registry
   (`loading.check_drafter`)."""
+  if config.get("policy", "fixed") not in ("fixed", "adaptive"):
+    raise ValueError(f"policy={config.policy!r}: choose fixed or adaptive.")
+  if config.get("policy") == "adaptive" and tree(config):
+    raise ValueError("policy=adaptive chooses a chain's draft length; a "
+                     "tree's template fixes its drafts. Unset --config.tree.")
   if config.verification not in RESAMPLERS:
     raise ValueError(f"verification={config.verification!r}: choose one of "
                      f"{tuple(RESAMPLERS)}.")
