@@ -185,12 +185,13 @@ class Cycle:
             drafter.update(self.draft_state, lengths - 1, self.verified))
 
 
-def loop_verify_widths(drafter: Drafter, config: DecodeConfig) -> tuple[int, ...]:
+def loop_verify_widths(drafter: Drafter,
+                       config: DecodeConfig) -> tuple[int, ...]:
   """The verify widths the loop chooses from: config.verify_buckets of them
   for a drafter that proposes fewer than gamma drafts in some cycles (or
-  under a draft-length policy); for one
-  that always proposes gamma, the full width only, so that no unused narrow
-  pass (and its switch, measured at 3-8% of the loop) is compiled in."""
+  under a draft-length policy); for one that always proposes gamma, the
+  full width only, so that no unused narrow pass (and its switch, measured
+  at 3-8% of the loop) is compiled in."""
   fewer = drafter.proposes_fewer or config.adaptive is not None
   return verify_widths(config.gamma, config.verify_buckets if fewer else 1)
 

@@ -23,8 +23,9 @@ explore_every-th cycle drafts gamma tokens (`AdaptiveDraftLength`).
 
 Why the output law is the target's: K* is a function of the counts and of
 the cycle's number, which are functions of earlier cycles' tokens and
-randomness only, never of this cycle's target probabilities or uniforms. Given the past, cycle n is an
-ordinary speculative cycle with K* drafts, and every such cycle emits
+randomness only, never of this cycle's target probabilities or uniforms.
+Given the past, cycle n is an ordinary speculative cycle with K* drafts,
+and every such cycle emits
 tokens with the target's law given the past, whatever K is (K = 0 samples
 the target directly). So the whole output has the target's law; a policy
 that looked at the current p (say, drafting more where the target is
