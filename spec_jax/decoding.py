@@ -327,8 +327,9 @@ def _speculative_step(state: DecodeState, target: Model, drafter: Drafter,
   # The draft limit counted: gamma (a tree's depth) unless a policy chose.
   max_drafts, limit = None, drafter.cycle_shape(config.gamma)[1]
   if config.adaptive is not None:
+    decoded = None if state.queue is None else state.queue.stats
     max_drafts = limit = draft_length.choose(
-        config.adaptive, state.stats, active, costs,
+        config.adaptive, state.stats, decoded, active, costs,
         loop_verify_widths(drafter, config), config.gamma)
   cycle = speculative_cycle(propose_key, resample_key, target, drafter,
                             state.draft_state, state.target_cache,

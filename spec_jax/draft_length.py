@@ -8,20 +8,25 @@ the cycles that accepted draft i, and t_{b,i}, those that tried it
   K* = argmax_{K in 0..G}  sum_b active_b E_b(K) / C(K)
 
   E_b(K) = 1 + sum_{i=1..K} prod_{j=1..i} r_{b,j}          expected tokens
-  r_{b,i} = (a_{b,i} + w r0) / (t_{b,i} + w)               Beta-prior mean
+  r_{b,i} = (a_{b,i} + w m_i) / (t_{b,i} + w)              row estimate
+  m_i = (sum_b' a_{b',i} + w r0) / (sum_b' t_{b',i} + w)    pooled prior
   C(K) = max(K, 1) c + V(K)                                cost, in steps
 
 where c is a draft pass, V(K) the verify pass of the narrowest compiled width
 that holds K drafts (`verification.verify_widths`; K = 0 is a plain target
 step, width 1), both measured at this batch size and passed in as data
-(`CycleCosts`), and r0, w the prior (`AdaptiveDraftLength`). A cycle that
+(`CycleCosts`), and r0, w the prior (`AdaptiveDraftLength`). Each row's
+estimate shrinks toward m_i, the decode's pooled rate: the counts of every
+row and of every prompt already decoded (an empirical-Bayes prior), so a
+refilled row starts at what the pair has shown, not at r0. A cycle that
 drafts nothing still runs one draft pass, which feeds the context to the
 draft model so that its cache stays whole. Every row drafts K*: a cycle's
 passes have fixed shapes, so its cost is set by the longest proposal, and
 once that is K a row drafting fewer saves nothing (`theory`). Every
 explore_every-th cycle drafts gamma tokens (`AdaptiveDraftLength`).
 
-Why the output law is the target's: K* is a function of the counts and of
+Why the output law is the target's: K* is a function of the counts (the
+rows' and the decoded prompts') and of
 the cycle's number, which are functions of earlier cycles' tokens and
 randomness only, never of this cycle's target probabilities or uniforms.
 Given the past, cycle n is an ordinary speculative cycle with K* drafts,
@@ -45,9 +50,11 @@ from spec_jax.stats import DecodeStats
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdaptiveDraftLength:
-  """The prior of each row's acceptance estimate: r0 = prior_rate, worth
-  prior_weight cycles. A row with no history drafts as if each draft were
-  accepted with probability r0; its own counts take over as they grow.
+  """The prior of the acceptance estimates: r0 = prior_rate, worth
+  prior_weight cycles, first for the decode's pooled rate, which is then
+  the prior of each row's own (module docstring). A decode with no history
+  drafts as if each draft were accepted with probability r0; the counts
+  take over as they grow.
 
   explore_every: every explore_every-th cycle drafts gamma tokens. A cycle
   tries only the drafts it proposes, so without it counts that once made
@@ -94,13 +101,24 @@ def cycle_cost(costs: CycleCosts, widths: tuple[int, ...],
   return drafts * costs.draft_step + costs.verify[jnp.array(width_index)]
 
 
-def choose(policy: AdaptiveDraftLength, stats: DecodeStats, active,
-           costs: CycleCosts, widths: tuple[int, ...],
-           gamma: int) -> jax.Array:
-  """K* for this cycle, an int32 scalar (see the module docstring)."""
+def choose(policy: AdaptiveDraftLength, stats: DecodeStats,
+           decoded: DecodeStats | None, active, costs: CycleCosts,
+           widths: tuple[int, ...], gamma: int) -> jax.Array:
+  """K* for this cycle, an int32 scalar (see the module docstring).
+
+  stats: the rows' counters; decoded: the counters of the prompts already
+  decoded (`refill.Queue.stats`; None without a queue). A row's counters
+  move there when its prompt is done and restart at 0, so no cycle is
+  pooled twice.
+  """
+  pooled = lambda name: sum(
+      getattr(s, name).sum(0) for s in (stats, decoded) if s is not None)
+  pooled_rate = theory.conditional_acceptance_estimate(
+      pooled("accepted_per_position"), pooled("tried_per_position"),
+      policy.prior_rate, policy.prior_weight)  # [G]
   conditional = theory.conditional_acceptance_estimate(
-      stats.accepted_per_position, stats.tried_per_position,
-      policy.prior_rate, policy.prior_weight)
+      stats.accepted_per_position, stats.tried_per_position, pooled_rate,
+      policy.prior_weight)
   best = theory.goodput_optimal_draft_length(
       conditional, active, cycle_cost(costs, widths, gamma))
   explore = stats.cycles % policy.explore_every == policy.explore_every - 1

@@ -56,7 +56,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from spec_jax.kv_cache import KVCache
+from spec_jax.kv_cache import KVCache, PendingWrite
 from spec_jax.model import Model
 from spec_jax.sampling import Sampling
 
@@ -94,7 +94,8 @@ class VerifyOutput:
   """What the target computed in one verify pass over [last, d_1..d_N].
 
   probs: [B, N+1, V] float32 target laws p_1..p_{N+1}.
-  cache: the target's cache, written for the N+1 tokens.
+  cache: the target's cache, written for the N+1 tokens (their
+    `PendingWrite` from `verify(..., write=False)`).
   hidden: the inputs of the blocks a drafter asked for (`target_layers`),
     each [B, N+1, D], at the same positions; for a tree, once the loop has
     accepted a path, [B, D+1, D]: the last token's, then the path's nodes'
@@ -102,7 +103,7 @@ class VerifyOutput:
   """
 
   probs: jax.Array
-  cache: KVCache
+  cache: KVCache | PendingWrite
   hidden: tuple[jax.Array, ...] = ()
 
 

@@ -8,6 +8,13 @@ call can write any number of tokens at each row's own positions:
     tree of N drafts, one after another);
   * rollback after a rejection only moves `KVCache.lengths`.
 
+A call may also leave its keys and values unwritten (`PendingWrite`): it
+attends to the cache's slots before its own and to its own keys directly,
+and the caller commits them later. The decode loop's verify does so inside
+the switch over verify widths, because XLA copies every cache array that a
+branch of a conditional writes, on every cycle; the write after the switch
+is one in place (see verification.verify_proposed).
+
 Why stale slots never leak: a query at position t attends to key slots j <= t
 only, and every call writes a contiguous run of positions starting at the
 row's pointer before it attends. So every visible slot was written by this call
@@ -76,6 +83,43 @@ class KVCache:
 
     return self.replace(keys=tuple(map(move, self.keys)),
                         values=tuple(map(move, self.values)))
+
+  def commit(self, pending: "PendingWrite") -> "KVCache":
+    """The cache with `pending` written, its pointer one past each row's
+    last written slot, as the call would have left it writing them itself."""
+    slots = pending.slots
+    return KVCache(
+        keys=tuple(write(c, n, slots)
+                   for c, n in zip(self.keys, pending.keys, strict=True)),
+        values=tuple(write(c, n, slots)
+                     for c, n in zip(self.values, pending.values,
+                                     strict=True)),
+        lengths=slots[:, -1] + 1)
+
+
+@flax.struct.dataclass
+class PendingWrite:
+  """The keys and values of T new tokens that a call attended to but did
+  not write, and the slots they belong at.
+
+  keys[i], values[i]: [B, K, T, D_head] for layer i.
+  slots: [B, T] int32, consecutive from each row's pointer.
+  """
+
+  keys: tuple[jax.Array, ...]
+  values: tuple[jax.Array, ...]
+  slots: jax.Array
+
+  def pad(self, width: int) -> "PendingWrite":
+    """Extended to `width` tokens at the next slots, repeating the last
+    token's keys and values: slots past a row's pointer that no query sees
+    before a later call writes them (the module docstring's invariant)."""
+    extra = width - self.slots.shape[1]
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0)),
+                            mode="edge")
+    return PendingWrite(
+        keys=tuple(map(pad, self.keys)), values=tuple(map(pad, self.values)),
+        slots=self.slots[:, :1] + jnp.arange(width))
 
 
 def init_cache(

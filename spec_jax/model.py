@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import cpu_matmul
-from spec_jax.kv_cache import KVCache, init_cache, write
+from spec_jax.kv_cache import KVCache, PendingWrite, init_cache, write
 
 # Masked attention scores. Finite rather than -inf so that a query that sees no
 # key at all (never used, but possible in padding rows) gives no NaN.
@@ -381,10 +381,17 @@ class Block(nn.Module):
   sliding: bool = False
 
   @nn.compact
-  def __call__(self, x, positions, slots, visible, keys, values):
+  def __call__(self, x, positions, slots, visible, keys, values,
+               new_visible=None):
     """x [B, T, D]; positions, slots [B, T] (rotary position and cache slot
     of each token); visible [B, T, S] bool, the key slots each token attends
-    to; keys, values [B, K, S, Dh]."""
+    to; keys, values [B, K, S, Dh].
+
+    new_visible: None writes the T tokens' keys and values into keys and
+    values first and returns those. Given, [B, T, T] bool (which of the call's
+    tokens each one sees; visible then covers the cached slots only), the
+    tokens attend to their own keys and values unwritten, and those are
+    returned instead, [B, K, T, Dh] (a `PendingWrite`'s)."""
     cfg = self.config
     h = _norm(cfg, "ln_attn")(x)
     # One projection for q, k and v: one matmul per step.
@@ -397,10 +404,15 @@ class Block(nn.Module):
       inv_freq = rope_frequencies(cfg, self.sliding)
       q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions,
                                                             inv_freq)
-    keys = write(keys, jnp.swapaxes(k, 1, 2), slots)
-    values = write(values, jnp.swapaxes(v, 1, 2), slots)
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, Dh]
+    if new_visible is None:
+      keys, values = write(keys, k, slots), write(values, v, slots)
+      attended = _attend(cfg, q, keys, values, visible)
+    else:
+      attended = _attend(cfg, q, keys, values, visible, (k, v, new_visible))
+      keys, values = k, v
     h = Linear(cfg.d_model, cfg.dtype, cfg.bias, cfg.weight_dtype,
-               name="attn_out")(_attend(cfg, q, keys, values, visible))
+               name="attn_out")(attended)
     if cfg.post_norms:
       h = _norm(cfg, "post_attn")(h)
     x = x + h
@@ -441,9 +453,12 @@ def _split_qkv(cfg: TransformerConfig, qkv: jax.Array):
           v.reshape(batch, length, kv_heads, head_dim))
 
 
-def _attend(cfg: TransformerConfig, q, keys, values, visible) -> jax.Array:
+def _attend(cfg: TransformerConfig, q, keys, values, visible,
+            new=None) -> jax.Array:
   """[B, T, H * Dh]: q [B, T, K, G, Dh] attending to the visible [B, T, S]
-  slots of keys, values [B, K, S, Dh].
+  slots of keys, values [B, K, S, Dh], and, when new = (keys [B, K, T, Dh],
+  values, visible [B, T, T]) is given, to the visible ones of those too, in
+  one softmax.
 
   Where the small-row kernel serves the pass's matmuls (cpu_matmul.py), the
   T query positions attend one at a time, each exactly as a one-token step
@@ -454,15 +469,30 @@ def _attend(cfg: TransformerConfig, q, keys, values, visible) -> jax.Array:
   if (length > 1 and cpu_matmul.serves(batch * length)
       and cfg.dtype == "float32"
       and cfg.weight_dtype in (None, "float32", "bfloat16")):
-    one = lambda qv: _attend(cfg, qv[0][:, None], keys, values, qv[1][:, None])
-    rows = jax.lax.map(one, (q.swapaxes(0, 1), visible.swapaxes(0, 1)))
+    def one(row):  # [B, ...] one query position's q and masks
+      q_t, visible_t, new_visible_t = row
+      new_t = None if new is None else (*new[:2], new_visible_t[:, None])
+      return _attend(cfg, q_t[:, None], keys, values, visible_t[:, None],
+                     new_t)
+    new_visible = None if new is None else new[2].swapaxes(0, 1)
+    rows = jax.lax.map(one, (q.swapaxes(0, 1), visible.swapaxes(0, 1),
+                             new_visible))
     return rows[:, :, 0].swapaxes(0, 1)  # [T, B, 1, H * Dh] -> [B, T, ...]
   scale = math.sqrt(cfg.query_pre_attn_scalar or cfg.head_dim)
   scores = jnp.einsum("btkgd,bksd->bkgts", q, keys) / scale
+  if new is not None:
+    new_keys, new_values, new_visible = new
+    scores = jnp.concatenate(
+        [scores, jnp.einsum("btkgd,bksd->bkgts", q, new_keys) / scale], -1)
+    visible = jnp.concatenate([visible, new_visible], -1)
   scores = _softcap(scores.astype(jnp.float32), cfg.attn_softcap)
   scores = jnp.where(visible[:, None, None], scores, _MASKED)
   weights = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
-  attended = jnp.einsum("bkgts,bksd->btkgd", weights, values)
+  num_slots = keys.shape[2]
+  attended = jnp.einsum("bkgts,bksd->btkgd", weights[..., :num_slots], values)
+  if new is not None:
+    attended = attended + jnp.einsum("bkgts,bksd->btkgd",
+                                     weights[..., num_slots:], new_values)
   return attended.reshape(batch, length, cfg.num_heads * cfg.head_dim)
 
 
@@ -539,6 +569,21 @@ def _masks(cfg: TransformerConfig, positions: jax.Array, num_slots: int,
                                                  cfg.sliding_window)
 
 
+def _split_new(visible: jax.Array, slots: jax.Array):
+  """visible [B, T, S] (the slots T new tokens at slots [B, T] see once they
+  are written) as (the cached slots seen [B, T, S], the new tokens seen
+  [B, T, T]), for a call that attends to its own keys unwritten. Every slot a
+  token sees at or past the first new one holds a new token."""
+  num_slots = visible.shape[-1]
+  cached = visible & (jnp.arange(num_slots) < slots[:, :1, None])
+  index = jnp.broadcast_to(slots[:, None, :], visible.shape[:2] + slots.shape[1:])
+  # A token past the cache's end is seen by none, as when it is written
+  # (and dropped).
+  new = jnp.take_along_axis(visible, index, axis=2, mode="fill",
+                            fill_value=False)
+  return cached, new
+
+
 class Transformer(nn.Module):
   """Decoder: embeddings, `num_layers` blocks, final norm, output projection."""
 
@@ -553,7 +598,8 @@ class Transformer(nn.Module):
       num_layers: int | None = None,
       parents: jax.Array | None = None,
       hidden_layers: tuple[int, ...] = (),
-  ) -> tuple[jax.Array, KVCache, tuple[jax.Array, ...]]:
+      write: bool = True,
+  ) -> tuple[jax.Array, KVCache | PendingWrite, tuple[jax.Array, ...]]:
     """Runs tokens [B, T] and writes their keys and values into the cache.
 
     Args:
@@ -570,17 +616,29 @@ class Transformer(nn.Module):
         its position (its depth below the context) comes from `positions`.
       hidden_layers: return the input of each of these blocks, [B, T, D];
         index num_layers is the last block's output, before the final norm.
+      write: False leaves the cache unwritten: the tokens attend to their own
+        keys and values directly, and those come back as a `PendingWrite`
+        for `KVCache.commit` (kv_cache.py says why); every layer runs.
 
     Returns:
       float32 logits [B, T, V], the cache with `lengths` set to one past
-      each row's last written slot, and the requested hidden states.
+      each row's last written slot (or, write=False, the PendingWrite), and
+      the requested hidden states.
     """
     cfg = self.config
+    if not write and num_layers is not None:
+      raise ValueError("write=False runs every layer: num_layers must be "
+                       f"None, not {num_layers}.")
     if positions is None:
       positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])
     positions = positions.astype(jnp.int32)
     slots, visible, local = _masks(cfg, positions, cache.keys[0].shape[2],
                                    parents)
+    new_visible = new_local = None
+    if not write:
+      visible, new_visible = _split_new(visible, slots)
+      if local is not None:
+        local, new_local = _split_new(local, slots)
     embed = Embed(cfg.vocab_size, cfg.d_model, cfg.dtype, cfg.weight_dtype,
                   name="embed")
     x = embed(tokens)
@@ -603,8 +661,7 @@ class Transformer(nn.Module):
       sliding = cfg.is_sliding(i)
       x, keys[i], values[i] = Block(cfg, sliding, name=f"block_{i}")(
           x, positions, slots, local if sliding else visible, keys[i],
-          values[i]
-      )
+          values[i], new_local if sliding else new_visible)
     hidden[len(hidden)] = x
     x = _norm(cfg, "ln_final")(x)
     if cfg.tie_embeddings:
@@ -613,9 +670,11 @@ class Transformer(nn.Module):
       logits = Linear(cfg.vocab_size, cfg.dtype, use_bias=False,
                       weight_dtype=cfg.weight_dtype, name="lm_head")(x)
     logits = _softcap(logits.astype(jnp.float32), cfg.final_softcap)
-    cache = KVCache(
-        keys=tuple(keys), values=tuple(values), lengths=slots[:, -1] + 1
-    )
+    if write:
+      cache = KVCache(keys=tuple(keys), values=tuple(values),
+                      lengths=slots[:, -1] + 1)
+    else:
+      cache = PendingWrite(tuple(keys), tuple(values), slots)
     return logits, cache, tuple(hidden[i] for i in hidden_layers)
 
 
@@ -655,18 +714,25 @@ class Model:
 
   # Jitted so that calls from eager code compile once; inside an outer jit
   # (the decode loops) this is inlined.
-  @functools.partial(jax.jit, static_argnames=("num_layers", "hidden_layers"))
+  @functools.partial(jax.jit, static_argnames=("num_layers", "hidden_layers",
+                                                "write"))
   def forward(
       self, tokens: jax.Array, cache: KVCache,
       positions: jax.Array | None = None, num_layers: int | None = None,
       parents: jax.Array | None = None, hidden_layers: tuple[int, ...] = (),
-  ) -> tuple[jax.Array, KVCache, tuple[jax.Array, ...]]:
-    """`Transformer.__call__` with these parameters: logits, the cache and
-    the hidden states of `hidden_layers`."""
+      write: bool = True,
+  ) -> tuple[jax.Array, KVCache | PendingWrite, tuple[jax.Array, ...]]:
+    """`Transformer.__call__` with these parameters: logits, the cache (or
+    the PendingWrite, write=False) and the hidden states of
+    `hidden_layers`."""
     logits, cache, hidden = Transformer(self.config).apply(
         {"params": self.params}, tokens, cache, positions, num_layers,
-        parents, hidden_layers)
-    return logits, self._constrain(cache), hidden
+        parents, hidden_layers, write)
+    return logits, (self._constrain(cache) if write else cache), hidden
+
+  def commit(self, cache: KVCache, pending: PendingWrite) -> KVCache:
+    """`KVCache.commit`, the result kept on the cache's shardings."""
+    return self._constrain(cache.commit(pending))
 
   def _constrain(self, cache: KVCache) -> KVCache:
     """Pins the cache to its shardings, so the decode loop never moves it."""

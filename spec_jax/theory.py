@@ -116,7 +116,7 @@ def speedup_from_depth_acceptance(depth_acceptance, draft_cost, verify_cost):
 # loop: they take numpy or jax arrays and return jax arrays.
 
 
-def conditional_acceptance_estimate(accepted, tried, prior_rate: float,
+def conditional_acceptance_estimate(accepted, tried, prior_rate,
                                     prior_weight: float):
   """Each row's r_i as a posterior mean: [..., G].
 
@@ -126,7 +126,8 @@ def conditional_acceptance_estimate(accepted, tried, prior_rate: float,
   accepted and in which it was tried (proposed with drafts 1..i-1
   accepted), r0 = prior_rate and w = prior_weight pseudo-trials (a Beta
   prior), so that a row with no history drafts by the prior and a row's own
-  counts take over as they grow.
+  counts take over as they grow. prior_rate: a scalar, or one per position
+  [G] (a pooled rate, draft_length.py).
   """
   accepted = jnp.asarray(accepted, jnp.float32)
   tried = jnp.asarray(tried, jnp.float32)

@@ -38,6 +38,7 @@ def verify(
     sampling: Sampling,
     parents: jax.Array | None = None,
     hidden_layers: tuple[int, ...] = (),
+    write: bool = True,
 ) -> VerifyOutput:
   """Scores [last, d_1..d_N] in one target pass.
 
@@ -55,6 +56,8 @@ def verify(
       i is the target's law given the context and i's own path.
     hidden_layers: the target blocks whose inputs to return (see
       `Transformer.__call__`), for drafters that read the target's features.
+    write: False leaves the N+1 tokens' keys and values unwritten: the
+      output's cache is then their `PendingWrite`.
 
   Returns:
     p_1..p_{N+1} [B, N+1, V] float32 (p at the last token, then at each
@@ -74,7 +77,8 @@ def verify(
   positions = lengths[:, None] - 1 + offsets
   logits, cache, hidden = target.forward(inputs, cache, positions,
                                          parents=call_parents,
-                                         hidden_layers=hidden_layers)
+                                         hidden_layers=hidden_layers,
+                                         write=write)
   return VerifyOutput(sampling.probs(logits), cache, hidden)
 
 
@@ -108,6 +112,13 @@ def verify_proposed(
   Positions past the pass's width, which no active row reaches, repeat the
   last law computed. The output law is unchanged.
 
+  With several widths, each branch of the switch leaves its keys and values
+  unwritten and one write after the switch commits them, padded to G + 1:
+  XLA copies every cache array a branch writes, on every cycle (measured at
+  batch 8: a width-1 cycle cost 1.6 AR steps so, 1.07 without). A single
+  width is one pass that writes before it attends, the formula whose logits
+  equal the steps' bit for bit where the small-row kernel serves.
+
   Args:
     draft_tokens, draft_probs: [B, G], [B, G, V], the chain's proposal.
     active: [B] bool, rows still generating.
@@ -123,16 +134,22 @@ def verify_proposed(
   longest = jnp.cumprod(proposed, axis=1).sum(1).max()  # leading drafts
   index = jnp.searchsorted(jnp.array(widths), longest + 1).astype(jnp.int32)
 
+  write = len(widths) == 1
+
   def pass_of(width):
     def run(draft_tokens):
       verified = verify(target, cache, tokens, lengths,
                         draft_tokens[:, :width - 1], sampling,
-                        hidden_layers=hidden_layers)
+                        hidden_layers=hidden_layers, write=write)
       pad = lambda x: jnp.pad(x, ((0, 0), (0, gamma + 1 - width), (0, 0)),
                               mode="edge")
-      return VerifyOutput(pad(verified.probs), verified.cache,
-                          tuple(map(pad, verified.hidden)))
+      return VerifyOutput(
+          pad(verified.probs),
+          verified.cache if write else verified.cache.pad(gamma + 1),
+          tuple(map(pad, verified.hidden)))
     return run
 
-  return jax.lax.switch(index, [pass_of(w) for w in widths],
-                        draft_tokens), index
+  verified = jax.lax.switch(index, [pass_of(w) for w in widths], draft_tokens)
+  if not write:
+    verified = verified.replace(cache=target.commit(cache, verified.cache))
+  return verified, index

@@ -90,27 +90,51 @@ def test_no_drafts_where_drafting_cannot_pay(target_and_draft, name):
   assert np.asarray(stats.limit_cycles)[1:].sum() == 0
 
 
+def _goodput_by_hand(accepted, tried, decoded_accepted, decoded_tried,
+                     active, prior_rate, prior_weight, cost):
+  """sum_b active_b E_b(K) / C(K) for K = 0..2, from the module docstring's
+  equations written out for two positions."""
+  pooled = lambda a, d: a.sum(0) + d.sum(0)
+  m = ((pooled(accepted, decoded_accepted) + prior_weight * prior_rate)
+       / (pooled(tried, decoded_tried) + prior_weight))
+  r = (accepted + prior_weight * m) / (tried + prior_weight)
+  emitted = np.stack([np.ones(len(r)), 1 + r[:, 0], 1 + r[:, 0] + r.prod(1)],
+                     1)
+  return (emitted * active[:, None]).sum(0) / cost
+
+
 def test_policy_drafts_the_cost_models_optimum():
   """draft_length.choose against the goodput of each K computed by hand:
-  one row always accepted (counts 10/10), one never (0/10)."""
+  one row always accepted (counts 10/10), one never (0/10); then a fresh
+  row, which drafts by the prompts already decoded."""
+  accepted, tried = np.array([[10, 10], [0, 0]]), np.array([[10, 10], [10, 0]])
   stats = sj.DecodeStats.zeros(2, 2, 3).replace(
-      accepted_per_position=np.array([[10, 10], [0, 0]]),
-      tried_per_position=np.array([[10, 10], [10, 0]]))
+      accepted_per_position=accepted, tried_per_position=tried)
   policy = sj.AdaptiveDraftLength(prior_rate=0.5, prior_weight=2)
   widths = (1, 2, 3)
   costs = sj.CycleCosts.of(0.1, [1.0, 1.5, 2.0])
-  r = np.array([[11 / 12, 11 / 12], [1 / 12, 0.5]])
-  emitted = np.stack([np.ones(2), 1 + r[:, 0], 1 + r[:, 0] + r.prod(1)], 1)
   cost = np.array([0.1 + 1.0, 0.1 + 1.5, 0.2 + 2.0])
-  best = int(np.argmax(emitted.sum(0) / cost))
-  both = np.ones(2, bool)
-  assert int(draft_length.choose(policy, stats, both, costs, widths, 2)) \
-      == best == 1
-  # Only the row that is always accepted active: drafting 2 pays.
-  only_first = np.array([True, False])
-  assert int(draft_length.choose(policy, stats, only_first, costs, widths,
-                                 2)) == int(
-                                     np.argmax(emitted[0] / cost)) == 2
+  none = np.zeros((1, 2))
+  for active, want in ([True, True], 1), ([True, False], 2):
+    # Only the row that is always accepted active: drafting 2 pays.
+    active = np.array(active)
+    goodput = _goodput_by_hand(accepted, tried, none, none, active, 0.5, 2,
+                               cost)
+    assert int(draft_length.choose(policy, stats, None, active, costs,
+                                   widths, 2)) == np.argmax(goodput) == want
+  # A fresh row: by the prior alone it drafts 1; after prompts whose every
+  # draft was accepted (40 of 40), 2.
+  fresh = sj.DecodeStats.zeros(1, 2, 3)
+  zero, one = np.zeros((1, 2)), np.ones(1, bool)
+  assert int(draft_length.choose(policy, fresh, None, one, costs, widths,
+                                 2)) == 1
+  decoded = sj.DecodeStats.zeros(4, 2, 3).replace(
+      accepted_per_position=np.full((4, 2), 10),
+      tried_per_position=np.full((4, 2), 10))
+  goodput = _goodput_by_hand(zero, zero, decoded.accepted_per_position,
+                             decoded.tried_per_position, one, 0.5, 2, cost)
+  assert int(draft_length.choose(policy, fresh, decoded, one, costs, widths,
+                                 2)) == np.argmax(goodput) == 2
 
 
 def test_bad_policy_inputs_are_refused_before_compiling(target_and_draft):

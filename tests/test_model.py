@@ -108,3 +108,33 @@ def test_hidden_states_are_the_inputs_of_the_blocks(pair):
                                     + target.config.norm_eps) * scale + bias
   np.testing.assert_allclose(normed @ params["embed"]["embedding"].T, logits,
                              atol=1e-4)
+
+
+def test_a_call_that_leaves_its_keys_unwritten_matches_one_that_writes():
+  """write=False (the verify inside the loop's width switch): the logits,
+  and the cache once committed, are the writing call's, for rows at
+  different pointers and a sliding-window layer; a following step then
+  reads the same cache. The control commits at slots one off, and the same
+  check rejects it."""
+  config = sj.TransformerConfig(vocab_size=97, d_model=64, num_layers=2,
+                                num_heads=4, num_kv_heads=2, d_ff=128,
+                                max_len=64, position="rope", norm="rms",
+                                mlp="swiglu", sliding_window=4,
+                                layer_types=("sliding", "full"))
+  target = sj.Model.init(config, jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), (2, 14), 0, 97)
+  cache = target.prefill(tokens[:, :7], jnp.array([4, 7]), 32)  # pointers 3, 6
+  written_logits, written, _ = target.forward(tokens[:, 7:12], cache)
+  logits, pending, _ = target.forward(tokens[:, 7:12], cache, write=False)
+  np.testing.assert_allclose(logits, written_logits, atol=1e-5)
+
+  def next_step(cache):
+    return target(tokens[:, 12:13], cache)[0]
+
+  committed = target.commit(cache, pending)
+  np.testing.assert_array_equal(committed.lengths, written.lengths)
+  expected = next_step(written)
+  np.testing.assert_allclose(next_step(committed), expected, atol=1e-5)
+  one_off = pending.replace(slots=pending.slots + 1)
+  assert not np.allclose(next_step(target.commit(cache, one_off)), expected,
+                         atol=1e-3)
