@@ -401,8 +401,10 @@ def _initial_state(key, target, drafter, prompts, prompt_lengths, config,
 def _next_prompts(state: DecodeState, target: Model, drafter: Drafter | None,
                   config: DecodeConfig) -> DecodeState:
   """Finished rows' outputs stored, and freed rows refilled from the queue."""
-  queue, stats = state.queue.flush(state.done, *_outputs(state, config),
-                                   state.stats)
+  def store(state):
+    queue, stats = state.queue.flush(state.done, *_outputs(state, config),
+                                     state.stats)
+    return state.replace(queue=queue, stats=stats)
 
   def prefill_row(state, row, prompt, length):
     tokens, target_cache, draft_state = _prefill(
@@ -415,7 +417,7 @@ def _next_prompts(state: DecodeState, target: Model, drafter: Drafter | None,
         target_cache=put(state.target_cache, target_cache),
         draft_state=put(state.draft_state, draft_state))
 
-  return refill.refill(state.replace(queue=queue, stats=stats), prefill_row)
+  return refill.refill(state, store, prefill_row)
 
 
 def _decode(key, target, drafter, prompts, prompt_lengths, config, slots,

@@ -83,12 +83,14 @@ def put_row(batch, row: jax.Array, one):
   return jax.tree.map(lambda b, o: b.at[row].set(o[0]), batch, one)
 
 
-def refill(state, prefill_row: Callable):
-  """Gives each done row the next queued prompt, one row at a time, until
-  the queue is empty or no row is free; state.queue must be flushed.
+def refill(state, store: Callable, prefill_row: Callable):
+  """Stores the outputs of the rows that finished this cycle, then gives
+  each done row the next queued prompt, one row at a time, until the queue
+  is empty or no row is free.
 
-  prefill_row(state, row, prompt [1, W], length [1]) -> state: the row reset
-  to a fresh prefill of the prompt, not done.
+  store(state) -> state: the finished rows' outputs and statistics stored
+  (`Queue.flush`). prefill_row(state, row, prompt [1, W], length [1]) ->
+  state: the row reset to a fresh prefill of the prompt, not done.
   """
   def free(state):
     return jnp.any(state.done) & (state.queue.next < state.queue.size)
@@ -103,10 +105,12 @@ def refill(state, prefill_row: Callable):
         next=queue.next + 1, row_prompt=queue.row_prompt.at[row].set(
             queue.next)))
 
-  # The loop inside a cond that passes the state through when no row is
-  # free: a while loop, even of no iterations, costs a little on every cycle
-  # (its carry holds the caches); the cond's other branch updates nothing,
-  # so XLA copies no cache (both branches updating one would copy it).
-  return jax.lax.cond(free(state),
-                      lambda s: jax.lax.while_loop(free, fill, s),
+  # A row is free only in the cycle it finishes (then it is refilled, or the
+  # queue is empty), so most cycles skip both steps. They sit inside a cond
+  # that passes the state through: its other branch updates nothing, so XLA
+  # copies no cache (both branches updating one would copy it), and a cycle
+  # that finishes no row pays neither the store nor the loop.
+  finished = jnp.any(state.done & (state.queue.row_prompt < state.queue.size))
+  return jax.lax.cond(finished,
+                      lambda s: jax.lax.while_loop(free, fill, store(s)),
                       lambda s: s, state)
