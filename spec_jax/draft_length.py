@@ -18,7 +18,10 @@ step, width 1), both measured at this batch size and passed in as data
 (`CycleCosts`), and r0, w the prior (`AdaptiveDraftLength`). Each row's
 estimate shrinks toward m_i, the decode's pooled rate: the counts of every
 row and of every prompt already decoded (an empirical-Bayes prior), so a
-refilled row starts at what the pair has shown, not at r0. A cycle that
+refilled row starts at what the pair has shown, not at r0. The pool holds
+the row's own counts too, so they weigh a little more than w pseudo-counts
+would let them (at one row without a queue, m_i is the row's own rate
+shrunk toward r0). A cycle that
 drafts nothing still runs one draft pass, which feeds the context to the
 draft model so that its cache stays whole. Every row drafts K*: a cycle's
 passes have fixed shapes, so its cost is set by the longest proposal, and

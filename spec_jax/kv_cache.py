@@ -17,7 +17,8 @@ is one in place (see verification.verify_proposed).
 
 Why stale slots never leak: a query at position t attends to key slots j <= t
 only, and every call writes a contiguous run of positions starting at the
-row's pointer before it attends. So every visible slot was written by this call
+row's pointer before it attends (a call that leaves its keys unwritten sees
+only the slots before its pointer, and its own keys). So every visible slot was written by this call
 or an earlier one for the token that really sits at that position. Example for
 one row, after prefill of "a b c" padded to 5 and a rejected draft "x y":
 
@@ -85,8 +86,9 @@ class KVCache:
                         values=tuple(map(move, self.values)))
 
   def commit(self, pending: "PendingWrite") -> "KVCache":
-    """The cache with `pending` written, its pointer one past each row's
-    last written slot, as the call would have left it writing them itself."""
+    """The cache with `pending` written and its pointer one past each row's
+    last written slot (past the padding, for a padded one: the decode loop
+    then rolls it back to what the cycle accepted)."""
     slots = pending.slots
     return KVCache(
         keys=tuple(write(c, n, slots)

@@ -460,23 +460,20 @@ def _attend(cfg: TransformerConfig, q, keys, values, visible,
   values, visible [B, T, T]) is given, to the visible ones of those too, in
   one softmax.
 
-  Where the small-row kernel serves the pass's matmuls (cpu_matmul.py), the
-  T query positions attend one at a time, each exactly as a one-token step
-  attends: XLA sums a dot of T query rows in an order that depends on T, and
-  that would make a verify's logits differ from the steps' in the last bits.
+  Where the small-row kernel serves the pass's matmuls (cpu_matmul.py) and
+  the keys are written (new is None), the T query positions attend one at a
+  time, each exactly as a one-token step attends: XLA sums a dot of T query
+  rows in an order that depends on T, and that would make a verify's logits
+  differ from the steps' in the last bits. With new, the softmax runs over
+  other slots than a step's, so its logits match the steps' to rounding only
+  and attending one position at a time would buy nothing.
   """
   batch, length = q.shape[:2]
-  if (length > 1 and cpu_matmul.serves(batch * length)
+  if (new is None and length > 1 and cpu_matmul.serves(batch * length)
       and cfg.dtype == "float32"
       and cfg.weight_dtype in (None, "float32", "bfloat16")):
-    def one(row):  # [B, ...] one query position's q and masks
-      q_t, visible_t, new_visible_t = row
-      new_t = None if new is None else (*new[:2], new_visible_t[:, None])
-      return _attend(cfg, q_t[:, None], keys, values, visible_t[:, None],
-                     new_t)
-    new_visible = None if new is None else new[2].swapaxes(0, 1)
-    rows = jax.lax.map(one, (q.swapaxes(0, 1), visible.swapaxes(0, 1),
-                             new_visible))
+    one = lambda qv: _attend(cfg, qv[0][:, None], keys, values, qv[1][:, None])
+    rows = jax.lax.map(one, (q.swapaxes(0, 1), visible.swapaxes(0, 1)))
     return rows[:, :, 0].swapaxes(0, 1)  # [T, B, 1, H * Dh] -> [B, T, ...]
   scale = math.sqrt(cfg.query_pre_attn_scalar or cfg.head_dim)
   scores = jnp.einsum("btkgd,bksd->bkgts", q, keys) / scale
@@ -488,11 +485,12 @@ def _attend(cfg: TransformerConfig, q, keys, values, visible,
   scores = _softcap(scores.astype(jnp.float32), cfg.attn_softcap)
   scores = jnp.where(visible[:, None, None], scores, _MASKED)
   weights = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
-  num_slots = keys.shape[2]
-  attended = jnp.einsum("bkgts,bksd->btkgd", weights[..., :num_slots], values)
-  if new is not None:
-    attended = attended + jnp.einsum("bkgts,bksd->btkgd",
-                                     weights[..., num_slots:], new_values)
+  if new is None:
+    attended = jnp.einsum("bkgts,bksd->btkgd", weights, values)
+  else:
+    cached, own = jnp.split(weights, [keys.shape[2]], axis=-1)
+    attended = (jnp.einsum("bkgts,bksd->btkgd", cached, values)
+                + jnp.einsum("bkgts,bksd->btkgd", own, new_values))
   return attended.reshape(batch, length, cfg.num_heads * cfg.head_dim)
 
 
@@ -576,7 +574,8 @@ def _split_new(visible: jax.Array, slots: jax.Array):
   token sees at or past the first new one holds a new token."""
   num_slots = visible.shape[-1]
   cached = visible & (jnp.arange(num_slots) < slots[:, :1, None])
-  index = jnp.broadcast_to(slots[:, None, :], visible.shape[:2] + slots.shape[1:])
+  index = jnp.broadcast_to(slots[:, None, :],
+                           visible.shape[:2] + slots.shape[1:])
   # A token past the cache's end is seen by none, as when it is written
   # (and dropped).
   new = jnp.take_along_axis(visible, index, axis=2, mode="fill",
@@ -600,7 +599,8 @@ class Transformer(nn.Module):
       hidden_layers: tuple[int, ...] = (),
       write: bool = True,
   ) -> tuple[jax.Array, KVCache | PendingWrite, tuple[jax.Array, ...]]:
-    """Runs tokens [B, T] and writes their keys and values into the cache.
+    """Runs tokens [B, T] and writes their keys and values into the cache
+    (or, write=False, returns them unwritten).
 
     Args:
       tokens: [B, T] int32.
