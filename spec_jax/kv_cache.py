@@ -18,9 +18,10 @@ is one in place (see verification.verify_proposed).
 Why stale slots never leak: a query at position t attends to key slots j <= t
 only, and every call writes a contiguous run of positions starting at the
 row's pointer before it attends (a call that leaves its keys unwritten sees
-only the slots before its pointer, and its own keys). So every visible slot was written by this call
-or an earlier one for the token that really sits at that position. Example for
-one row, after prefill of "a b c" padded to 5 and a rejected draft "x y":
+only the slots before its pointer, and its own keys). So every visible slot
+was written by this call or an earlier one for the token that really sits at
+that position. Example for one row, after prefill of "a b c" padded to 5 and
+a rejected draft "x y":
 
   slot      0 1 2 3 4
   written   a b c _ _     prefill (slots 3, 4 hold padding junk); pointer = 2

@@ -54,12 +54,16 @@ class Queue:
   def size(self) -> int:
     return self.prompts.shape[0]
 
+  def finished(self, done) -> jax.Array:
+    """[B] bool: the rows done [B] that still hold a prompt."""
+    return done & (self.row_prompt < self.size)
+
   def flush(self, done, tokens, num_tokens,
             stats: DecodeStats | None) -> tuple["Queue", DecodeStats | None]:
     """Stores the outputs (tokens [B, max_new_tokens], num_tokens [B]) and
     statistics rows of the rows done [B] that still hold a prompt; those
     rows then hold none, and their counters restart at 0 for the next."""
-    finished = done & (self.row_prompt < self.size)
+    finished = self.finished(done)
     index = jnp.where(finished, self.row_prompt, self.size)  # P is dropped
     queue = self.replace(
         tokens=self.tokens.at[index].set(tokens, mode="drop"),
@@ -110,7 +114,6 @@ def refill(state, store: Callable, prefill_row: Callable):
   # that passes the state through: its other branch updates nothing, so XLA
   # copies no cache (both branches updating one would copy it), and a cycle
   # that finishes no row pays neither the store nor the loop.
-  finished = jnp.any(state.done & (state.queue.row_prompt < state.queue.size))
-  return jax.lax.cond(finished,
+  return jax.lax.cond(jnp.any(state.queue.finished(state.done)),
                       lambda s: jax.lax.while_loop(free, fill, store(s)),
                       lambda s: s, state)
