@@ -345,6 +345,43 @@ ffi::Error SmallRowMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   }
 }
 
+// out = x * cos + rotate_half(x) * sin over rows r of x [R, H, D], each of
+// its H heads turned by the row's cos and sin [R, D / 2] (the "rotate half"
+// pairing: dimension i turns with i + D / 2). Fused into its neighbours, XLA
+// emits this multiply-add differently for one token and for several (its
+// loops, and which products become FMAs, follow the layout the consumer
+// wants), so a verify's rotated keys differed from a step's in the last bit.
+// Here every element is computed by the same code whatever R is.
+ffi::Error RotateImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
+                      ffi::Buffer<ffi::F32> sin,
+                      ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  auto dims = x.dimensions();
+  auto angles = cos.dimensions();
+  if (dims.size() != 3 || dims[2] % 2 || angles.size() != 2 ||
+      angles[0] != dims[0] || 2 * angles[1] != dims[2] ||
+      sin.element_count() != cos.element_count())
+    return ffi::Error::InvalidArgument(
+        "rotate takes x [R, H, D] and cos, sin [R, D / 2]");
+  int64_t rows = dims[0], heads = dims[1], half = dims[2] / 2;
+  const float* in = x.typed_data();
+  float* y = out->typed_data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos.typed_data() + r * half;
+    const float* s = sin.typed_data() + r * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* first = in + (r * heads + h) * 2 * half;
+      const float* second = first + half;
+      float* y_first = y + (r * heads + h) * 2 * half;
+      float* y_second = y_first + half;
+      for (int64_t i = 0; i < half; ++i) {
+        y_first[i] = first[i] * c[i] - second[i] * s[i];
+        y_second[i] = second[i] * c[i] + first[i] * s[i];
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallRowMatmul, SmallRowMatmulImpl,
@@ -352,6 +389,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallRowMatmul, SmallRowMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Rotate, RotateImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // What the compiler targeted, for the log line and the results files.

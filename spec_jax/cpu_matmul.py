@@ -1,17 +1,19 @@
-"""A small-row matmul kernel for XLA:CPU (cpu_matmul.cc), called through FFI.
+"""CPU kernels for XLA (cpu_matmul.cc), called through FFI: a small-row matmul,
+and the rotary rotation.
 
 XLA:CPU's dots of 2-16 rows take 1.7-3x the time of its one-row product over
 the same weights, and a one-row product with bfloat16 weights converts a
 float32 copy of the whole kernel. The kernel reads each weight byte once per
 call for up to `MAX_ROWS` rows, in float32 or bfloat16, and computes each
 output row in an order that does not depend on the other rows, so a row's
-product is bitwise the same in a decode step and in a verify (for the whole
-model's logits, see docs/step_benchmark.md: learned positions yes, rotary
-positions not yet).
+product is bitwise the same in a decode step and in a verify. XLA fuses the
+rotary rotation into its neighbours differently for one token and for
+several, so `rotate` computes that too, and a whole model's logits at a
+position are then the same in a step and in a verify (docs/step_benchmark.md).
 
-`model.matmul` calls it on the CPU backend of a one-device process for products
-of at most `MAX_ROWS` rows; everything else (more rows, a mesh of several
-devices, TPU and GPU) keeps XLA's dot.
+`model.matmul` and `model.apply_rope` call them on the CPU backend of a
+one-device process for passes of at most `MAX_ROWS` rows; everything else
+(more rows, a mesh of several devices, TPU and GPU) keeps XLA's ops.
 
 It is compiled on first use with the system C++ compiler (`$CXX`, else `c++`)
 for this CPU (-march=native: AVX-512 with its bf16 dot products where the CPU
@@ -45,6 +47,7 @@ MAX_ROWS = 16
 ENV_VAR = "SPEC_JAX_CPU_KERNEL"
 _SOURCE = pathlib.Path(__file__).with_suffix(".cc")
 _TARGET = "spec_jax_small_row_matmul"
+_ROTATE_TARGET = "spec_jax_rotate"
 # -w: XLA's FFI headers warn under gcc; a failed build logs its errors.
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 _log = logging.getLogger(__name__)
@@ -108,6 +111,8 @@ def _library() -> ctypes.CDLL | None:
     library.SmallRowMatmulIsa.restype = ctypes.c_char_p
     jax.ffi.register_ffi_target(
         _TARGET, jax.ffi.pycapsule(library.SmallRowMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(
+        _ROTATE_TARGET, jax.ffi.pycapsule(library.Rotate), platform="cpu")
   except (OSError, AttributeError) as error:  # a corrupt or foreign file
     _log.warning("Loading the small-row CPU kernel %s failed, XLA's dot runs "
                  "(delete the file to rebuild it): %s", path, error)
@@ -190,3 +195,43 @@ def _backward(residuals, grad):  # grad [M, N] float32
 
 
 small_row_matmul.defvjp(_forward, _backward)
+
+
+@jax.custom_vjp
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x [R, H, D] float32, each row's H heads turned by its cos, sin
+  [R, D / 2]: `rotate_by_xla`'s rotation, each element computed the same way
+  whatever R is (cpu_matmul.cc says why XLA's is not). Check `serves(R)`
+  before calling it."""
+  if _library() is None:
+    raise RuntimeError(f"The CPU kernels are not available (off by "
+                       f"{ENV_VAR}=0, or not built: see the log); check "
+                       "cpu_matmul.serves before calling rotate.")
+  out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  return jax.ffi.ffi_call(_ROTATE_TARGET, out, vmap_method="sequential")(
+      x, cos, sin)
+
+
+def rotate_by_xla(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x [..., D] turned by cos, sin [..., D / 2] (broadcast against x's
+  leading axes): the "rotate half" pairing of HF checkpoints, dimension i
+  turning with i + D / 2, in XLA's ops."""
+  first, second = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([first * cos - second * sin,
+                          second * cos + first * sin], -1)
+
+
+# A rotation's transpose turns the other way: the gradient is the incoming
+# gradient turned by -angle. cos and sin, functions of positions alone, get
+# none.
+def _rotate_forward(x, cos, sin):
+  return rotate(x, cos, sin), (cos, sin)
+
+
+def _rotate_backward(residuals, grad):
+  cos, sin = residuals
+  return (rotate_by_xla(grad, cos[:, None], -sin[:, None]),
+          jnp.zeros_like(cos), jnp.zeros_like(sin))
+
+
+rotate.defvjp(_rotate_forward, _rotate_backward)

@@ -326,16 +326,21 @@ def rope_frequencies(config: TransformerConfig,
 
 def apply_rope(x: jax.Array, positions: jax.Array,
                inv_freq: np.ndarray) -> jax.Array:
-  """Rotates x [B, T, ..., Dh] by positions [B, T].
-
-  The "rotate half" pairing of HF checkpoints: dimension i turns with i + Dh/2.
+  """Rotates x [B, T, ..., Dh] by positions [B, T] (`cpu_matmul.rotate_by_xla`
+  says how). Where the small-row kernel serves the pass (see `_attend`), the
+  CPU kernel rotates, so that a token's rotated query and key come out bitwise
+  the same in a step and in a verify.
   """
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, Dh/2]
-  angles = jnp.concatenate([angles, angles], -1)
-  angles = angles.reshape(angles.shape[:2] + (1,) * (x.ndim - 3) + (-1,))
-  first, second = jnp.split(x, 2, axis=-1)
-  rotated = jnp.concatenate([-second, first], -1)
-  return (x * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  rows = math.prod(positions.shape)
+  if x.dtype == jnp.float32 and cpu_matmul.serves(rows):
+    return cpu_matmul.rotate(x.reshape(rows, -1, x.shape[-1]),
+                             cos.reshape(rows, -1),
+                             sin.reshape(rows, -1)).reshape(x.shape)
+  heads = (1,) * (x.ndim - 3)  # x's axes between T and Dh
+  cos, sin = (a.reshape(a.shape[:2] + heads + a.shape[2:]) for a in (cos, sin))
+  return cpu_matmul.rotate_by_xla(x, cos, sin).astype(x.dtype)
 
 
 class GemmaRMSNorm(nn.Module):

@@ -1,5 +1,6 @@
-"""The small-row CPU kernel: the product it computes, rows independent of M,
-the model's use of it, and the XLA path it falls back to."""
+"""The CPU kernels: the small-row product and the rotary rotation they
+compute, rows independent of M, the model's use of them, and the XLA path
+they fall back to."""
 
 import os
 import pathlib
@@ -112,36 +113,102 @@ def test_model_matmul_takes_the_kernel_up_to_max_rows_only():
   assert "spec_jax_small_row_matmul" not in lowered(large)
 
 
-@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
-def test_a_verify_gives_the_steps_logits_bit_for_bit(weight_dtype):
-  """What the kernel is for: the target's logits at a position are the same
-  whether one pass scores 9 tokens (a verify) or 9 passes score one each, so
-  greedy SD emits greedy AR's tokens in bfloat16 too. With XLA's dot (the
-  control, float32) they differ in the last bits."""
-  # The built-in pair's family (GPT-2: learned positions). With rotary
-  # positions the logits still differ in the last bits: XLA fuses the
-  # rotation into its neighbours differently for one and for 9 tokens.
-  config = sj.TransformerConfig(vocab_size=97, d_model=64, num_layers=2,
-                                num_heads=4, num_kv_heads=2, d_ff=128,
-                                max_len=64, weight_dtype=weight_dtype)
+def _angles(rows, half, seed=1):
+  rng = np.random.default_rng(seed)
+  angles = rng.uniform(0, 500, (rows, half)).astype(np.float32)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def test_rotate_matches_a_float64_rotation_and_rows_are_independent():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((16, 6, 64), dtype=np.float32))
+  cos, sin = _angles(16, 32)
+  rotate = jax.jit(cpu_matmul.rotate)
+  got = np.asarray(rotate(x, cos, sin))
+  x64, c64, s64 = (np.asarray(a, np.float64) for a in (x, cos, sin))
+  first, second = x64[..., :32], x64[..., 32:]
+  c64, s64 = c64[:, None], s64[:, None]
+  exact = np.concatenate([first * c64 - second * s64,
+                          second * c64 + first * s64], -1)
+  assert np.abs(got - exact).max() < 1e-6 * np.abs(exact).max()
+  for r in (1, 3, 9):
+    np.testing.assert_array_equal(
+        np.asarray(rotate(x[-r:], cos[-r:], sin[-r:])), got[-r:])
+
+
+def test_rotate_gradients_are_those_of_the_rotation():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((3, 2, 16), dtype=np.float32))
+  cos, sin = _angles(3, 8)
+  loss = lambda f: lambda x: jnp.sum(jnp.sin(f(x, cos, sin)))
+  np.testing.assert_allclose(
+      jax.grad(loss(cpu_matmul.rotate))(x),
+      jax.grad(loss(lambda x, c, s: cpu_matmul.rotate_by_xla(x, c[:, None], s[:, None])))(x), rtol=1e-5, atol=1e-6)
+
+
+# The built-in pair's family (GPT-2: learned positions), Llama's (rotary
+# positions, RMSNorm, SwiGLU, GQA) and Gemma 3's (q/k norms, four norms per
+# block, a sliding layer with its own rotary base).
+FAMILIES = {
+    "gpt2": {},
+    "llama": dict(position="rope", norm="rms", mlp="swiglu", qkv_bias=False,
+                  bias=False),
+    "gemma3": dict(position="rope", norm="gemma_rms", mlp="geglu",
+                   qk_norm=True, post_norms=True, embed_scale=True,
+                   sliding_window=4, layer_types=("sliding", "full"),
+                   rope_local_theta=10_000.0, rope_theta=1_000_000.0,
+                   qkv_bias=False, bias=False),
+}
+
+
+def _rotate_half_by_xla(x, cos, sin):
+  """The rotation as HF writes it, x * cos + rotate_half(x) * sin, by XLA."""
+  first, second = jnp.split(x, 2, axis=-1)
+  cos, sin = (jnp.concatenate([a, a], -1)[:, None] for a in (cos, sin))
+  return x * cos + jnp.concatenate([-second, first], -1) * sin
+
+
+def _verify_and_steps(config):
+  """Logits of 9 tokens scored by one pass (a verify) and by 9 one-token
+  passes (steps), after the same 5-token prefill, at batch 1 (9 rows: the
+  kernel serves both)."""
   target = sj.Model.init(config, jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (1, 14), 0, 97)
+  cache = target.init_cache(1, 32)
+  _, cache = target(tokens[:, :5], cache)
+  verify, _ = target(tokens[:, 5:], cache)
+  steps = []
+  for t in range(5, 14):
+    logits, cache = target(tokens[:, t:t + 1], cache)
+    steps.append(logits)
+  return np.asarray(verify), np.asarray(jnp.concatenate(steps, 1))
 
-  def verify_and_steps():
-    cache = target.init_cache(1, 32)
-    _, cache = target(tokens[:, :5], cache)
-    verify, _ = target(tokens[:, 5:], cache)
-    steps = []
-    for t in range(5, 14):
-      logits, cache = target(tokens[:, t:t + 1], cache)
-      steps.append(logits)
-    return np.asarray(verify), np.asarray(jnp.concatenate(steps, 1))
 
-  np.testing.assert_array_equal(*verify_and_steps())
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
+def test_a_verify_gives_the_steps_logits_bit_for_bit(family, weight_dtype,
+                                                     monkeypatch):
+  """What the kernels are for: the target's logits at a position are the same
+  whether one pass scores 9 tokens (a verify) or 9 passes score one each, so
+  greedy SD emits greedy AR's tokens in bfloat16 too. Controls: XLA's dot
+  (float32), and for rotary families XLA's rotation with the kernel's
+  products, each differ in the last bits."""
+  config = sj.TransformerConfig(vocab_size=97, d_model=64, num_layers=2,
+                                num_heads=4, num_kv_heads=2, d_ff=128,
+                                max_len=64, weight_dtype=weight_dtype,
+                                **FAMILIES[family])
+  np.testing.assert_array_equal(*_verify_and_steps(config))
+  if weight_dtype == "bfloat16":  # XLA's bfloat16 dots often agree anyway
+    return
   with cpu_matmul.disabled():
-    verify, steps = verify_and_steps()
+    verify, steps = _verify_and_steps(config)
   np.testing.assert_allclose(verify, steps, atol=1e-4)
-  if weight_dtype == "float32":  # here XLA's bfloat16 dots happen to agree
+  assert not np.array_equal(verify, steps)
+  if config.position == "rope":
+    monkeypatch.setattr(cpu_matmul, "rotate", _rotate_half_by_xla)
+    jax.clear_caches()
+    verify, steps = _verify_and_steps(config)
+    jax.clear_caches()
     assert not np.array_equal(verify, steps)
 
 
