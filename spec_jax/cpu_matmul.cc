@@ -350,8 +350,8 @@ ffi::Error SmallRowMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
 // pairing: dimension i turns with i + D / 2). Fused into its neighbours, XLA
 // emits this multiply-add differently for one token and for several (its
 // loops, and which products become FMAs, follow the layout the consumer
-// wants), so a verify's rotated keys differed from a step's in the last bit.
-// Here every element is computed by the same code whatever R is.
+// wants), so a verify's rotated keys would differ from a step's in the last
+// bit. Here every element is computed by the same code whatever R is.
 ffi::Error RotateImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
                       ffi::Buffer<ffi::F32> sin,
                       ffi::Result<ffi::Buffer<ffi::F32>> out) {
