@@ -166,14 +166,19 @@ def disabled():
     jax.clear_caches()
 
 
+def _require_library(check: str):
+  """Raises, naming `check`, when the kernels cannot run here."""
+  if _library() is None:
+    raise RuntimeError(f"The CPU kernels are not available (off by "
+                       f"{ENV_VAR}=0, or not built: see the log); check "
+                       f"{check} before calling them.")
+
+
 @jax.custom_vjp
 def small_row_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
   """x [M, K] times kernel [N, K] transposed, x in the kernel's dtype: [M, N]
   float32, summed in float32."""
-  if _library() is None:
-    raise RuntimeError(f"The small-row CPU kernel is not available (off by "
-                       f"{ENV_VAR}=0, or not built: see the log); check "
-                       "cpu_matmul.applies before calling it.")
+  _require_library("cpu_matmul.applies")
   if x.ndim != 2 or kernel.ndim != 2 or x.shape[1] != kernel.shape[1]:
     raise ValueError(f"small_row_matmul takes x [M, K] and kernel [N, K]; got "
                      f"{x.shape} and {kernel.shape}.")
@@ -203,10 +208,7 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   [R, D / 2]: `rotate_by_xla`'s rotation, each element computed the same way
   whatever R is (cpu_matmul.cc says why XLA's is not). Check `serves(R)`
   before calling it."""
-  if _library() is None:
-    raise RuntimeError(f"The CPU kernels are not available (off by "
-                       f"{ENV_VAR}=0, or not built: see the log); check "
-                       "cpu_matmul.serves before calling rotate.")
+  _require_library("cpu_matmul.serves")
   out = jax.ShapeDtypeStruct(x.shape, x.dtype)
   return jax.ffi.ffi_call(_ROTATE_TARGET, out, vmap_method="sequential")(
       x, cos, sin)
