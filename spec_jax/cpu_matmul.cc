@@ -20,11 +20,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <type_traits>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -55,6 +58,8 @@ inline Vec Load(const bf16* p, Mask m) {
 }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline Vec Broadcast(float a) { return _mm512_set1_ps(a); }
+inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline void Prefetch(const void* p) {
   _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
 }
@@ -90,6 +95,8 @@ inline float Sum(Vec v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+inline Vec Broadcast(float a) { return _mm256_set1_ps(a); }
+inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline void Prefetch(const void* p) {
   _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
 }
@@ -110,6 +117,8 @@ inline Vec Load(const bf16* p) {
 inline Vec Load(const bf16* p, Mask) { return Load(p); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return a * b + c; }
 inline float Sum(Vec v) { return v; }
+inline Vec Broadcast(float a) { return a; }
+inline void Store(float* p, Vec v) { *p = v; }
 inline void Prefetch(const void*) {}
 #endif
 
@@ -264,11 +273,11 @@ void Columns(const T* x, const T* w, float* y, int64_t m_size, int64_t n_size,
   }
 }
 
-// Chunks of columns claimed from a counter by the caller and by tasks on
-// XLA's intra-op pool. The caller never waits for a chunk nobody has claimed,
-// so it cannot deadlock on a pool whose threads are busy elsewhere; a task
-// that starts after every chunk is claimed returns at once. shared_ptr keeps
-// the counters alive for such late tasks.
+// Chunks of work claimed from a counter by the caller and by tasks on XLA's
+// intra-op pool. The caller never waits for a chunk nobody has claimed, so it
+// cannot deadlock on a pool whose threads are busy elsewhere; a task that
+// starts after every chunk is claimed returns at once. shared_ptr keeps the
+// counters alive for such late tasks.
 struct Chunks {
   int64_t count;
   std::function<void(int64_t)> run;
@@ -289,28 +298,38 @@ int64_t UsableCores() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
+// The workers a call may use: the caller and the pool's threads, at most one
+// per core the process may run on.
+int64_t Workers(ffi::ThreadPool& pool) {
+  static const int64_t cores = UsableCores();
+  return std::max<int64_t>(1, std::min<int64_t>(cores, pool.num_threads() + 1));
+}
+
+// run(c) for every c < count, spread over the caller and the pool.
+void ParallelFor(ffi::ThreadPool& pool, int64_t count,
+                 std::function<void(int64_t)> run) {
+  auto chunks = std::make_shared<Chunks>();
+  chunks->count = count;
+  chunks->run = std::move(run);
+  for (int64_t i = 1; i < std::min(Workers(pool), count); ++i)
+    pool.Schedule([chunks] { chunks->Drain(); });
+  chunks->Drain();
+  while (chunks->done.load(std::memory_order_acquire) < count)
+    std::this_thread::yield();
+}
+
 template <typename T>
 void Run(ffi::ThreadPool& pool, const T* x, const T* w, float* y,
          int64_t m_size, int64_t n_size, int64_t k_size) {
-  static const int64_t cores = UsableCores();
-  int64_t workers = std::max<int64_t>(
-      1, std::min<int64_t>(cores, pool.num_threads() + 1));
   // About 4 chunks per worker, whole panels each, so a late-starting worker
   // still finds work without the chunks getting small.
   int64_t panels = (n_size + kPanel - 1) / kPanel;
-  int64_t per_chunk = std::max<int64_t>(1, panels / (4 * workers));
-  auto chunks = std::make_shared<Chunks>();
-  chunks->count = (panels + per_chunk - 1) / per_chunk;
-  chunks->run = [=](int64_t c) {
+  int64_t per_chunk = std::max<int64_t>(1, panels / (4 * Workers(pool)));
+  ParallelFor(pool, (panels + per_chunk - 1) / per_chunk, [=](int64_t c) {
     int64_t begin = c * per_chunk * kPanel;
     int64_t end = std::min(n_size, begin + per_chunk * kPanel);
     Columns(x, w, y, m_size, n_size, k_size, begin, end);
-  };
-  for (int64_t i = 1; i < std::min(workers, chunks->count); ++i)
-    pool.Schedule([chunks] { chunks->Drain(); });
-  chunks->Drain();
-  while (chunks->done.load(std::memory_order_acquire) < chunks->count)
-    std::this_thread::yield();
+  });
 }
 
 ffi::Error SmallRowMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
@@ -382,6 +401,123 @@ ffi::Error RotateImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
   return ffi::Error::Success();
 }
 
+
+// Attention of T new tokens per row over a cache of S slots, for passes the
+// small-row kernel serves. out[b, t, k, g] is the softmax over the slots s
+// that token t of row b sees (visible [B, T, S]) of q[b, t, k, g] . key_s /
+// scale (soft-capped by cap when cap > 0), applied to value_s. The call's own
+// tokens sit at slots [B, T], consecutive from slots[b, 0]: their keys and
+// values are read from own_keys and own_values [B, K, T, D], the other
+// slots' from the cache keys and values [B, K, S, D], so the call may leave
+// its own keys unwritten.
+//
+// Every sum (the dot over D, the softmax's, the values') runs over the seen
+// slots in slot order, skipping the unseen ones, in code that depends on
+// neither T nor B. So a token's output is bitwise the same in a step (its
+// key read from the cache), a verify (read from own_keys) and a tree pass
+// (its ancestors at other slots than a chain's, in the same order).
+struct Attention {
+  const float *q, *keys, *values, *own_keys, *own_values;
+  const int32_t* slots;
+  const bool* visible;
+  int64_t batch, tokens, kv_heads, group, num_slots, dim;
+  float scale, cap;
+
+  float Dot(const float* a, const float* b) const {
+    Vec acc = Zero();
+    int64_t d = 0;
+    for (; d + kWidth <= dim; d += kWidth)
+      acc = Fma(Load(a + d), Load(b + d), acc);
+    if (d < dim) {
+      Mask mask = TailMask(dim - d);
+      acc = Fma(Load(a + d, mask), Load(b + d, mask), acc);
+    }
+    return Sum(acc);
+  }
+
+  // Query head (b, t, k, g) = index, in q's row-major order: its output.
+  // weight and value are the caller's scratch.
+  void Query(int64_t index, std::vector<float>& weight,
+             std::vector<const float*>& value, float* out) const {
+    int64_t k = index / group % kv_heads;
+    int64_t t = index / (group * kv_heads) % tokens;
+    int64_t b = index / (group * kv_heads * tokens);
+    const float* query = q + index * dim;
+    const bool* seen = visible + (b * tokens + t) * num_slots;
+    const int32_t* own = slots + b * tokens;
+    const float* cache_k = keys + (b * kv_heads + k) * num_slots * dim;
+    const float* cache_v = values + (b * kv_heads + k) * num_slots * dim;
+    const float* new_k = own_keys + (b * kv_heads + k) * tokens * dim;
+    const float* new_v = own_values + (b * kv_heads + k) * tokens * dim;
+    weight.clear();
+    value.clear();
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < num_slots; ++s) {
+      if (!seen[s]) continue;
+      int64_t j = s - own[0];
+      bool is_own = j >= 0 && j < tokens && own[j] == s;
+      const float* key = is_own ? new_k + j * dim : cache_k + s * dim;
+      float score = Dot(query, key) / scale;
+      if (cap > 0) score = cap * std::tanh(score / cap);
+      weight.push_back(score);
+      value.push_back(is_own ? new_v + j * dim : cache_v + s * dim);
+      top = std::max(top, score);
+    }
+    float total = 0;
+    for (float& w : weight) total += (w = std::exp(w - top));
+    for (float& w : weight) w /= total;
+    int64_t d = 0;
+    for (; d + kWidth <= dim; d += kWidth) {
+      Vec acc = Zero();
+      for (size_t i = 0; i < weight.size(); ++i)
+        acc = Fma(Broadcast(weight[i]), Load(value[i] + d), acc);
+      Store(out + d, acc);
+    }
+    for (; d < dim; ++d) {
+      float acc = 0;
+      for (size_t i = 0; i < weight.size(); ++i)
+        acc += weight[i] * value[i][d];
+      out[d] = acc;
+    }
+  }
+};
+
+ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                      ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
+                      ffi::Buffer<ffi::F32> own_keys,
+                      ffi::Buffer<ffi::F32> own_values,
+                      ffi::Buffer<ffi::S32> slots,
+                      ffi::Buffer<ffi::PRED> visible, float scale, float cap,
+                      ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  auto qd = q.dimensions(), cd = keys.dimensions(), nd = own_keys.dimensions();
+  if (qd.size() != 5 || cd.size() != 4 || nd.size() != 4 ||
+      cd[0] != qd[0] || cd[1] != qd[2] || cd[3] != qd[4] ||
+      values.element_count() != keys.element_count() ||
+      own_values.element_count() != own_keys.element_count() ||
+      nd[0] != qd[0] || nd[1] != qd[2] || nd[2] != qd[1] || nd[3] != qd[4] ||
+      slots.element_count() != qd[0] * qd[1] ||
+      visible.element_count() != qd[0] * qd[1] * cd[2] ||
+      out->element_count() != q.element_count())
+    return ffi::Error::InvalidArgument(
+        "attend takes q [B, T, K, G, D], keys and values [B, K, S, D], own "
+        "keys and values [B, K, T, D], slots [B, T] and visible [B, T, S]");
+  Attention a{q.typed_data(), keys.typed_data(), values.typed_data(),
+              own_keys.typed_data(), own_values.typed_data(),
+              slots.typed_data(), visible.typed_data(),
+              qd[0], qd[1], qd[2], qd[3], cd[2], qd[4], scale, cap};
+  float* y = out->typed_data();
+  int64_t queries = qd[0] * qd[1] * qd[2] * qd[3];
+  int64_t per_chunk = std::max<int64_t>(1, queries / (4 * Workers(pool)));
+  ParallelFor(pool, (queries + per_chunk - 1) / per_chunk, [=](int64_t c) {
+    thread_local std::vector<float> weight;
+    thread_local std::vector<const float*> value;
+    int64_t end = std::min(queries, (c + 1) * per_chunk);
+    for (int64_t i = c * per_chunk; i < end; ++i)
+      a.Query(i, weight, value, y + i * a.dim);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallRowMatmul, SmallRowMatmulImpl,
@@ -389,6 +525,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallRowMatmul, SmallRowMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Attend, AttendImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("cap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Rotate, RotateImpl,

@@ -1,5 +1,5 @@
 """CPU kernels for XLA (cpu_matmul.cc), called through FFI: a small-row matmul,
-and the rotary rotation.
+the rotary rotation, and attention over the KV cache.
 
 XLA:CPU's dots of 2-16 rows take 1.7-3x the time of its one-row product over
 the same weights, and a one-row product with bfloat16 weights converts a
@@ -8,12 +8,15 @@ call for up to `MAX_ROWS` rows, in float32 or bfloat16, and computes each
 output row in an order that does not depend on the other rows, so a row's
 product is bitwise the same in a decode step and in a verify. XLA fuses the
 rotary rotation into its neighbours differently for one token and for
-several, so `rotate` computes that too, and a whole model's logits at a
-position are then the same in a step and in a verify (docs/step_benchmark.md).
+several, so `rotate` computes that too; and XLA's softmax over the cache sums
+in an order that depends on the pass, so `attend` does (attention.py). A whole
+model's logits at a position are then the same in a step and in a verify
+(docs/step_benchmark.md).
 
-`model.matmul` and `model.apply_rope` call them on the CPU backend of a
-one-device process for passes of at most `MAX_ROWS` rows; everything else
-(more rows, a mesh of several devices, TPU and GPU) keeps XLA's ops.
+`model.matmul`, `model.apply_rope` and `attention.attend` call them on the CPU
+backend of a one-device process for passes of at most `MAX_ROWS` rows;
+everything else (more rows, a mesh of several devices, TPU and GPU) keeps
+XLA's ops.
 
 It is compiled on first use with the system C++ compiler (`$CXX`, else `c++`)
 for this CPU (-march=native: AVX-512 with its bf16 dot products where the CPU
@@ -48,6 +51,7 @@ ENV_VAR = "SPEC_JAX_CPU_KERNEL"
 _SOURCE = pathlib.Path(__file__).with_suffix(".cc")
 _TARGET = "spec_jax_small_row_matmul"
 _ROTATE_TARGET = "spec_jax_rotate"
+_ATTEND_TARGET = "spec_jax_attend"
 # -w: XLA's FFI headers warn under gcc; a failed build logs its errors.
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 _log = logging.getLogger(__name__)
@@ -113,6 +117,8 @@ def _library() -> ctypes.CDLL | None:
         _TARGET, jax.ffi.pycapsule(library.SmallRowMatmul), platform="cpu")
     jax.ffi.register_ffi_target(
         _ROTATE_TARGET, jax.ffi.pycapsule(library.Rotate), platform="cpu")
+    jax.ffi.register_ffi_target(
+        _ATTEND_TARGET, jax.ffi.pycapsule(library.Attend), platform="cpu")
   except (OSError, AttributeError) as error:  # a corrupt or foreign file
     _log.warning("Loading the small-row CPU kernel %s failed, XLA's dot runs "
                  "(delete the file to rebuild it): %s", path, error)
@@ -237,3 +243,17 @@ def _rotate_backward(residuals, grad):
 
 
 rotate.defvjp(_rotate_forward, _rotate_backward)
+
+
+def attend(q, keys, values, own_keys, own_values, slots, visible, scale,
+           cap) -> jax.Array:
+  """`attention.attend` by the kernel, float32: q [B, T, K, G, D], the cache
+  keys and values [B, K, S, D], the pass's own [B, K, T, D] at slots [B, T]
+  int32, visible [B, T, S] bool; scale and cap (0: none) np.float32. Each
+  query head's sums run over its seen slots in slot order (cpu_matmul.cc).
+  Check `serves(B * T)` before calling it."""
+  _require_library("cpu_matmul.serves")
+  out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+  return jax.ffi.ffi_call(_ATTEND_TARGET, out, vmap_method="sequential")(
+      q, keys, values, own_keys, own_values, slots, visible, scale=scale,
+      cap=cap)

@@ -197,9 +197,10 @@ class EagleHead(nn.Module):
     inv_freq = rope_frequencies(attention)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions,
                                                           inv_freq)
-    keys = write(keys, jnp.swapaxes(k, 1, 2), slots)
-    values = write(values, jnp.swapaxes(v, 1, 2), slots)
-    a = residual + self.o_proj(_attend(attention, q, keys, values, visible))
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, Dh]
+    keys, values = write(keys, k, slots), write(values, v, slots)
+    a = residual + self.o_proj(_attend(attention, q, keys, values, k, v, slots,
+                                       visible, written=True))
     gate, up = jnp.split(self.mlp_in(self.post_attention_layernorm(a)), 2, -1)
     a = a + self.down_proj(nn.silu(gate) * up)
     return a, self.norm(a), keys, values

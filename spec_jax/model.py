@@ -42,13 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import cpu_matmul
+from spec_jax import attention, cpu_matmul
 from spec_jax.kv_cache import KVCache, PendingWrite, init_cache, write
-
-# Masked attention scores. Finite rather than -inf so that a query that sees no
-# key at all (never used, but possible in padding rows) gives no NaN.
-_MASKED = -1e30
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
@@ -327,9 +322,10 @@ def rope_frequencies(config: TransformerConfig,
 def apply_rope(x: jax.Array, positions: jax.Array,
                inv_freq: np.ndarray) -> jax.Array:
   """Rotates x [B, T, ..., Dh] by positions [B, T] (`cpu_matmul.rotate_by_xla`
-  says how). Where the small-row kernel serves the pass (see `_attend`), the
-  CPU kernel rotates, so that a token's rotated query and key come out bitwise
-  the same in a step and in a verify.
+  says how). Where the small-row kernel serves the pass (`cpu_matmul.serves`),
+  the CPU kernel rotates, so that a token's rotated query and key come out
+  bitwise the same in a step and in a verify, however XLA would fuse the
+  rotation into its neighbours.
   """
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, Dh/2]
   cos, sin = jnp.cos(angles), jnp.sin(angles)
@@ -372,11 +368,6 @@ def _norm(config: TransformerConfig, name: str) -> nn.Module:
                       param_dtype=config.dtype, name=name)
 
 
-def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
-  """cap * tanh(x / cap): bounds x smoothly to (-cap, cap) (Gemma 2)."""
-  return x if cap is None else cap * jnp.tanh(x / cap)
-
-
 class Block(nn.Module):
   """Pre-norm attention and MLP: GPT-2's, or Llama's and Gemma's with their
   switches. `sliding`: this block's rotary base is the sliding layers' (the
@@ -387,16 +378,14 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, slots, visible, keys, values,
-               new_visible=None):
+               write_keys=True):
     """x [B, T, D]; positions, slots [B, T] (rotary position and cache slot
     of each token); visible [B, T, S] bool, the key slots each token attends
-    to; keys, values [B, K, S, Dh].
+    to once written; keys, values [B, K, S, Dh].
 
-    new_visible: None writes the T tokens' keys and values into keys and
-    values first and returns those. Given, [B, T, T] bool (which of the call's
-    tokens each one sees; visible then covers the cached slots only), the
-    tokens attend to their own keys and values unwritten, and those are
-    returned instead, [B, K, T, Dh] (a `PendingWrite`'s)."""
+    write_keys: True writes the T tokens' keys and values into keys and
+    values and returns those. False attends to them unwritten and returns
+    them instead, [B, K, T, Dh] (a `PendingWrite`'s)."""
     cfg = self.config
     h = _norm(cfg, "ln_attn")(x)
     # One projection for q, k and v: one matmul per step.
@@ -410,11 +399,11 @@ class Block(nn.Module):
       q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions,
                                                             inv_freq)
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, Dh]
-    if new_visible is None:
+    if write_keys:
       keys, values = write(keys, k, slots), write(values, v, slots)
-      attended = _attend(cfg, q, keys, values, visible)
-    else:
-      attended = _attend(cfg, q, keys, values, visible, (k, v, new_visible))
+    attended = _attend(cfg, q, keys, values, k, v, slots, visible,
+                       written=write_keys)
+    if not write_keys:
       keys, values = k, v
     h = Linear(cfg.d_model, cfg.dtype, cfg.bias, cfg.weight_dtype,
                name="attn_out")(attended)
@@ -458,44 +447,15 @@ def _split_qkv(cfg: TransformerConfig, qkv: jax.Array):
           v.reshape(batch, length, kv_heads, head_dim))
 
 
-def _attend(cfg: TransformerConfig, q, keys, values, visible,
-            new=None) -> jax.Array:
-  """[B, T, H * Dh]: q [B, T, K, G, Dh] attending to the visible [B, T, S]
-  slots of keys, values [B, K, S, Dh], and, when new = (keys [B, K, T, Dh],
-  values, visible [B, T, T]) is given, to the visible ones of those too, in
-  one softmax.
-
-  Where the small-row kernel serves the pass's matmuls (cpu_matmul.py) and
-  the keys are written (new is None), the T query positions attend one at a
-  time, each exactly as a one-token step attends: XLA sums a dot of T query
-  rows in an order that depends on T, and that would make a verify's logits
-  differ from the steps' in the last bits. With new, the softmax runs over
-  other slots than a step's, so its logits match the steps' to rounding only
-  and attending one position at a time would buy nothing.
-  """
+def _attend(cfg: TransformerConfig, q, keys, values, own_keys, own_values,
+            slots, visible, written: bool) -> jax.Array:
+  """[B, T, H * Dh]: `attention.attend` with the config's scale and soft cap,
+  q [B, T, K, G, Dh] as `_split_qkv` gives it."""
   batch, length = q.shape[:2]
-  if (new is None and length > 1 and cpu_matmul.serves(batch * length)
-      and cfg.dtype == "float32"
-      and cfg.weight_dtype in (None, "float32", "bfloat16")):
-    one = lambda qv: _attend(cfg, qv[0][:, None], keys, values, qv[1][:, None])
-    rows = jax.lax.map(one, (q.swapaxes(0, 1), visible.swapaxes(0, 1)))
-    return rows[:, :, 0].swapaxes(0, 1)  # [T, B, 1, H * Dh] -> [B, T, ...]
-  scale = math.sqrt(cfg.query_pre_attn_scalar or cfg.head_dim)
-  scores = jnp.einsum("btkgd,bksd->bkgts", q, keys) / scale
-  if new is not None:
-    new_keys, new_values, new_visible = new
-    scores = jnp.concatenate(
-        [scores, jnp.einsum("btkgd,bksd->bkgts", q, new_keys) / scale], -1)
-    visible = jnp.concatenate([visible, new_visible], -1)
-  scores = _softcap(scores.astype(jnp.float32), cfg.attn_softcap)
-  scores = jnp.where(visible[:, None, None], scores, _MASKED)
-  weights = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
-  if new is None:
-    attended = jnp.einsum("bkgts,bksd->btkgd", weights, values)
-  else:
-    cached, own = jnp.split(weights, [keys.shape[2]], axis=-1)
-    attended = (jnp.einsum("bkgts,bksd->btkgd", cached, values)
-                + jnp.einsum("bkgts,bksd->btkgd", own, new_values))
+  attended = attention.attend(
+      q, keys, values, own_keys, own_values, slots, visible, written=written,
+      scale=math.sqrt(cfg.query_pre_attn_scalar or cfg.head_dim),
+      cap=cfg.attn_softcap)
   return attended.reshape(batch, length, cfg.num_heads * cfg.head_dim)
 
 
@@ -572,22 +532,6 @@ def _masks(cfg: TransformerConfig, positions: jax.Array, num_slots: int,
                                                  cfg.sliding_window)
 
 
-def _split_new(visible: jax.Array, slots: jax.Array):
-  """visible [B, T, S] (the slots T new tokens at slots [B, T] see once they
-  are written) as (the cached slots seen [B, T, S], the new tokens seen
-  [B, T, T]), for a call that attends to its own keys unwritten. Every slot a
-  token sees at or past the first new one holds a new token."""
-  num_slots = visible.shape[-1]
-  cached = visible & (jnp.arange(num_slots) < slots[:, :1, None])
-  index = jnp.broadcast_to(slots[:, None, :],
-                           visible.shape[:2] + slots.shape[1:])
-  # A token past the cache's end is seen by none, as when it is written
-  # (and dropped).
-  new = jnp.take_along_axis(visible, index, axis=2, mode="fill",
-                            fill_value=False)
-  return cached, new
-
-
 class Transformer(nn.Module):
   """Decoder: embeddings, `num_layers` blocks, final norm, output projection."""
 
@@ -639,11 +583,6 @@ class Transformer(nn.Module):
     positions = positions.astype(jnp.int32)
     slots, visible, local = _masks(cfg, positions, cache.keys[0].shape[2],
                                    parents)
-    new_visible = new_local = None
-    if not write:
-      visible, new_visible = _split_new(visible, slots)
-      if local is not None:
-        local, new_local = _split_new(local, slots)
     embed = Embed(cfg.vocab_size, cfg.d_model, cfg.dtype, cfg.weight_dtype,
                   name="embed")
     x = embed(tokens)
@@ -666,7 +605,7 @@ class Transformer(nn.Module):
       sliding = cfg.is_sliding(i)
       x, keys[i], values[i] = Block(cfg, sliding, name=f"block_{i}")(
           x, positions, slots, local if sliding else visible, keys[i],
-          values[i], new_local if sliding else new_visible)
+          values[i], write)
     hidden[len(hidden)] = x
     x = _norm(cfg, "ln_final")(x)
     if cfg.tie_embeddings:
@@ -674,7 +613,8 @@ class Transformer(nn.Module):
     else:
       logits = Linear(cfg.vocab_size, cfg.dtype, use_bias=False,
                       weight_dtype=cfg.weight_dtype, name="lm_head")(x)
-    logits = _softcap(logits.astype(jnp.float32), cfg.final_softcap)
+    logits = attention.softcap(logits.astype(jnp.float32),
+                               cfg.final_softcap)
     if write:
       cache = KVCache(keys=tuple(keys), values=tuple(values),
                       lengths=slots[:, -1] + 1)
@@ -804,7 +744,8 @@ class Model:
     """float32 logits [..., V] of final-normed states x [..., D]: the output
     layer alone (tied or not, soft-capped as the model's)."""
     logits = matmul(x, self.output_kernel)
-    return _softcap(logits.astype(jnp.float32), self.config.final_softcap)
+    return attention.softcap(logits.astype(jnp.float32),
+                             self.config.final_softcap)
 
 
 def abstract_params(config: TransformerConfig):

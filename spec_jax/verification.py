@@ -116,9 +116,9 @@ def verify_proposed(
   unwritten and one write after the switch commits them, padded to G + 1:
   XLA copies every cache array a branch writes, on every cycle (at batch 8
   a cycle of prompt lookup that proposed nothing cost 1.58 AR steps with the
-  copies, 1.09 without). A single
-  width is one pass that writes before it attends, the formula whose logits
-  equal the steps' bit for bit where the small-row kernel serves.
+  copies, 1.09 without). A single width is one pass that writes before it
+  attends. Where the small-row kernel serves, both give the steps' logits
+  bit for bit (attention.py).
 
   Args:
     draft_tokens, draft_probs: [B, G], [B, G, V], the chain's proposal.

@@ -1,6 +1,7 @@
 // Every ISA variant of the kernel against a float64 product (1e-5 of the
 // largest output) and, row by row, bitwise against its M = 1 computation,
-// for M = 1..16; built by tests/test_cpu_matmul.py with each -march.
+// for M = 1..16, and of the attention kernel against a float64 softmax;
+// built by tests/test_cpu_matmul.py with each -march.
 #include "../spec_jax/cpu_matmul.cc"
 #include <cstdio>
 #include <random>
@@ -30,4 +31,41 @@ template <typename T> int check(const char* name, int64_t K, int64_t N) {
   printf("%s %s K=%ld N=%ld: %s\n", SmallRowMatmulIsa(), name, K, N, bad ? "FAIL" : "ok");
   return bad;
 }
-int main() { int bad = 0; for (auto kn : {std::pair<int64_t,int64_t>{577, 37}, {100, 5}, {1536, 64}}) { bad += check<float>("f32", kn.first, kn.second); bad += check<bf16>("bf16", kn.first, kn.second); } return bad != 0; }
+// Two rows of 3 new tokens at slots 4-6 and 0-2 of 11, chain-causal, 2
+// key/value heads of 2 query heads, D = 20 (a vector tail), soft-capped.
+int check_attention() {
+  const int64_t B = 2, T = 3, K = 2, G = 2, S = 11, D = 20;
+  std::mt19937 rng(1); std::normal_distribution<float> d;
+  auto normal = [&](int64_t n) { std::vector<float> v(n); for (auto& x : v) x = d(rng); return v; };
+  auto q = normal(B * T * K * G * D), keys = normal(B * K * S * D), values = normal(B * K * S * D);
+  auto own_k = normal(B * K * T * D), own_v = normal(B * K * T * D);
+  int32_t slots[B * T] = {4, 5, 6, 0, 1, 2};
+  bool visible[B * T * S];
+  for (int64_t i = 0; i < B * T; ++i) for (int64_t s = 0; s < S; ++s) visible[i * S + s] = s <= slots[i];
+  const float scale = 3.0f, cap = 2.0f;
+  Attention a{q.data(), keys.data(), values.data(), own_k.data(), own_v.data(), slots, visible, B, T, K, G, S, D, scale, cap};
+  std::vector<float> out(D), weight; std::vector<const float*> value;
+  double maxerr = 0;
+  for (int64_t i = 0; i < B * T * K * G; ++i) {
+    a.Query(i, weight, value, out.data());
+    int64_t k = i / G % K, t = i / (G * K) % T, b = i / (G * K * T);
+    std::vector<double> p(S), ref(D, 0.0); double top = -1e300, total = 0;
+    auto key = [&](int64_t s, const std::vector<float>& own, const std::vector<float>& cache) {
+      int64_t j = s - slots[b * T];
+      return j >= 0 && j < T ? &own[((b * K + k) * T + j) * D] : &cache[((b * K + k) * S + s) * D]; };
+    for (int64_t s = 0; s <= slots[b * T + t]; ++s) {
+      double dot = 0; const float* kv = key(s, own_k, keys);
+      for (int64_t x = 0; x < D; ++x) dot += double(q[i * D + x]) * kv[x];
+      p[s] = cap * std::tanh(dot / scale / cap); top = std::max(top, p[s]);
+    }
+    for (int64_t s = 0; s <= slots[b * T + t]; ++s) total += (p[s] = std::exp(p[s] - top));
+    for (int64_t s = 0; s <= slots[b * T + t]; ++s) {
+      const float* vv = key(s, own_v, values);
+      for (int64_t x = 0; x < D; ++x) ref[x] += p[s] / total * vv[x];
+    }
+    for (int64_t x = 0; x < D; ++x) maxerr = std::max(maxerr, std::fabs(ref[x] - out[x]));
+  }
+  printf("%s attention: %s\n", SmallRowMatmulIsa(), maxerr < 1e-5 ? "ok" : "FAIL");
+  return maxerr >= 1e-5;
+}
+int main() { int bad = check_attention(); for (auto kn : {std::pair<int64_t,int64_t>{577, 37}, {100, 5}, {1536, 64}}) { bad += check<float>("f32", kn.first, kn.second); bad += check<bf16>("bf16", kn.first, kn.second); } return bad != 0; }

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from spec_jax import cpu_matmul, model
+from spec_jax import attention, cpu_matmul, kv_cache, model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(
@@ -146,6 +146,110 @@ def test_rotate_gradients_are_those_of_the_rotation():
       jax.grad(loss(lambda x, c, s: cpu_matmul.rotate_by_xla(x, c[:, None], s[:, None])))(x), rtol=1e-5, atol=1e-6)
 
 
+def _attention_operands(seed=0):
+  """Two rows of 3 new tokens at slots 4-6 and 0-2 of 11, chain-causal, 2
+  key/value heads of 2 query heads each, Dh 20 (a vector tail); the own slots
+  of the cache hold junk, which a call that wrote its keys would replace."""
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))
+  q = normal(2, 3, 2, 2, 20)
+  keys, values = normal(2, 2, 11, 20), normal(2, 2, 11, 20)
+  own_keys, own_values = normal(2, 2, 3, 20), normal(2, 2, 3, 20)
+  slots = jnp.array([[4, 5, 6], [0, 1, 2]], jnp.int32)
+  visible = model.visible_slots(slots, 11)
+  return q, keys, values, own_keys, own_values, slots, visible
+
+
+def _attention_in_float64(q, keys, values, own_keys, own_values, slots,
+                          visible, scale, cap):
+  """The softmax over each query's visible slots, own keys written first."""
+  q, keys, values, own_keys, own_values = (
+      np.asarray(a, np.float64) for a in (q, keys, values, own_keys,
+                                           own_values))
+  keys, values = keys.copy(), values.copy()
+  for b, row in enumerate(np.asarray(slots)):
+    keys[b][:, row], values[b][:, row] = own_keys[b], own_values[b]
+  scores = np.einsum("btkgd,bksd->btkgs", q, keys) / scale
+  if cap:
+    scores = cap * np.tanh(scores / cap)
+  scores = np.where(np.asarray(visible)[:, :, None, None], scores, -np.inf)
+  weights = np.exp(scores - scores.max(-1, keepdims=True))
+  weights /= weights.sum(-1, keepdims=True)
+  return np.einsum("btkgs,bksd->btkgd", weights, values)
+
+
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_attend_matches_a_float64_softmax_and_reads_the_own_keys(cap):
+  operands = _attention_operands()
+  attend = jax.jit(attention._attend_by_kernel, static_argnums=(7, 8))
+  got = np.asarray(attend(*operands, 3.0, cap))
+  exact = _attention_in_float64(*operands, 3.0, cap)
+  np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-6)
+  # And what XLA's formula gives, keys written or not.
+  q, keys, values, own_keys, own_values, slots, visible = operands
+  written = [kv_cache.write(c, n, slots)
+             for c, n in ((keys, own_keys), (values, own_values))]
+  for by_xla in (attention.attend_by_xla(q, *written, visible, 3.0, cap),
+                 attention._unwritten_by_xla(*operands, 3.0, cap)):
+    np.testing.assert_allclose(got, by_xla, rtol=1e-5, atol=1e-6)
+
+
+def test_attend_sums_each_query_alone_and_in_slot_order():
+  """A query's output is bitwise the same alone and among others, and when
+  its keys come from the cache instead of the own ones; a tree node seeing
+  its ancestors at other slots equals the chain through them."""
+  q, keys, values, own_keys, own_values, slots, visible = _attention_operands()
+  attend = jax.jit(attention._attend_by_kernel, static_argnums=(7, 8))
+  full = np.asarray(attend(q, keys, values, own_keys, own_values, slots,
+                           visible, 3.0, None))
+  written = [kv_cache.write(c, n, slots)
+             for c, n in ((keys, own_keys), (values, own_values))]
+  for b in range(2):
+    for t in range(3):
+      # Token t alone, as a step after t earlier ones were written.
+      one = np.asarray(attend(q[b:b + 1, t:t + 1], written[0][b:b + 1],
+                              written[1][b:b + 1],
+                              own_keys[b:b + 1, :, t:t + 1],
+                              own_values[b:b + 1, :, t:t + 1],
+                              slots[b:b + 1, t:t + 1],
+                              visible[b:b + 1, t:t + 1], 3.0, None))
+      np.testing.assert_array_equal(one[0, 0], full[b, t])
+  # Row 0's token 2 as a tree node whose parent is token 0 sees slots 0-3,
+  # 4 and 6: the chain [0, 2] written at slots 4 and 5, the same keys in the
+  # same order. Control: as token 2 of the chain it also sees token 1.
+  tree = model.visible_slots(slots, 11, jnp.array([[-1, -1, 0], [-1, 0, 1]]))
+  node = np.asarray(attend(q, keys, values, own_keys, own_values, slots,
+                           tree, 3.0, None))[0, 2]
+  order = jnp.array([0, 2, 1])
+  chain = np.asarray(attend(q[:, order], keys, values, own_keys[:, :, order],
+                            own_values[:, :, order], slots, visible, 3.0,
+                            None))
+  np.testing.assert_array_equal(node, chain[0, 1])
+  assert not np.array_equal(node, full[0, 2])
+
+
+def test_attend_gradients_are_those_of_xlas_formula():
+  q, keys, values, own_keys, own_values, slots, visible = (
+      _attention_operands())
+  loss = lambda f: lambda *x: jnp.sum(jnp.sin(f(*x, slots, visible, 3.0,
+                                                None)))
+  arrays = (q, keys, values, own_keys, own_values)
+  got = jax.grad(loss(attention._attend_by_kernel), range(5))(*arrays)
+  want = jax.grad(loss(attention._unwritten_by_xla), range(5))(*arrays)
+  for g, e in zip(got, want, strict=True):
+    np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_model_attention_takes_the_kernel_up_to_max_rows_only():
+  config = sj.TransformerConfig(vocab_size=97, d_model=32, num_layers=1,
+                                num_heads=2, d_ff=64, max_len=64)
+  target = sj.Model.init(config, jax.random.key(0))
+  lowered = lambda t: jax.jit(target.__call__).lower(
+      jnp.zeros((1, t), jnp.int32), target.init_cache(1, 64)).as_text()
+  assert "spec_jax_attend" in lowered(cpu_matmul.MAX_ROWS)
+  assert "spec_jax_attend" not in lowered(cpu_matmul.MAX_ROWS + 1)
+
+
 # The built-in pair's family (GPT-2: learned positions), Llama's (rotary
 # positions, RMSNorm, SwiGLU, GQA) and Gemma 3's (q/k norms, four norms per
 # block, a sliding layer with its own rotary base).
@@ -161,27 +265,31 @@ FAMILIES = {
 }
 
 
-def _rotate_half_by_xla(x, cos, sin):
-  """The rotation as HF writes it, x * cos + rotate_half(x) * sin, by XLA."""
-  first, second = jnp.split(x, 2, axis=-1)
-  cos, sin = (jnp.concatenate([a, a], -1)[:, None] for a in (cos, sin))
-  return x * cos + jnp.concatenate([-second, first], -1) * sin
-
-
 def _verify_and_steps(config):
-  """Logits of 9 tokens scored by one pass (a verify) and by 9 one-token
-  passes (steps), after the same 5-token prefill, at batch 1 (9 rows: the
-  kernel serves both)."""
+  """Logits of 9 tokens scored by one pass that writes its keys (a verify),
+  by one that leaves them unwritten (the loop's width switch), and by 9
+  one-token passes (steps), after prefills of 5 and 3 tokens, at batch 2
+  (18 rows: at batch 1 the kernels serve all of them; rows at two pointers)."""
   target = sj.Model.init(config, jax.random.key(0))
-  tokens = jax.random.randint(jax.random.key(1), (1, 14), 0, 97)
-  cache = target.init_cache(1, 32)
+  tokens = jax.random.randint(jax.random.key(1), (2, 14), 0, 97)
+  cache = target.init_cache(2, 32)
   _, cache = target(tokens[:, :5], cache)
-  verify, _ = target(tokens[:, 5:], cache)
-  steps = []
-  for t in range(5, 14):
-    logits, cache = target(tokens[:, t:t + 1], cache)
-    steps.append(logits)
-  return np.asarray(verify), np.asarray(jnp.concatenate(steps, 1))
+  cache = cache.rollback(jnp.array([5, 3]))
+  positions = cache.lengths[:, None] + jnp.arange(9)
+  rows = []
+  for b in range(2):  # one row at a time: 9 tokens, within MAX_ROWS
+    row = jax.tree.map(lambda x: x[b:b + 1], cache)
+    written, _ = target(tokens[b:b + 1, 5:], row, positions[b:b + 1])
+    unwritten, _, _ = target.forward(tokens[b:b + 1, 5:], row,
+                                     positions[b:b + 1], write=False)
+    steps = []
+    for t in range(9):
+      logits, row = target(tokens[b:b + 1, 5 + t:6 + t], row,
+                           positions[b:b + 1, t:t + 1])
+      steps.append(logits)
+    rows.append([np.asarray(written), np.asarray(unwritten),
+                 np.asarray(jnp.concatenate(steps, 1))])
+  return [np.concatenate(r) for r in zip(*rows)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -189,27 +297,31 @@ def _verify_and_steps(config):
 def test_a_verify_gives_the_steps_logits_bit_for_bit(family, weight_dtype,
                                                      monkeypatch):
   """What the kernels are for: the target's logits at a position are the same
-  whether one pass scores 9 tokens (a verify) or 9 passes score one each, so
-  greedy SD emits greedy AR's tokens in bfloat16 too. Controls: XLA's dot
-  (float32), and for rotary families XLA's rotation with the kernel's
-  products, each differ in the last bits."""
+  whether one pass scores 9 tokens (a verify, its keys written or not) or 9
+  passes score one each, so greedy SD emits greedy AR's tokens in bfloat16
+  too. Controls (float32): XLA's dot, and XLA's attention with the kernel's
+  products, each make them differ in the last bits."""
   config = sj.TransformerConfig(vocab_size=97, d_model=64, num_layers=2,
                                 num_heads=4, num_kv_heads=2, d_ff=128,
                                 max_len=64, weight_dtype=weight_dtype,
                                 **FAMILIES[family])
-  np.testing.assert_array_equal(*_verify_and_steps(config))
+  written, unwritten, steps = _verify_and_steps(config)
+  np.testing.assert_array_equal(written, steps)
+  np.testing.assert_array_equal(unwritten, steps)
   if weight_dtype == "bfloat16":  # XLA's bfloat16 dots often agree anyway
     return
   with cpu_matmul.disabled():
-    verify, steps = _verify_and_steps(config)
-  np.testing.assert_allclose(verify, steps, atol=1e-4)
-  assert not np.array_equal(verify, steps)
-  if config.position == "rope":
-    monkeypatch.setattr(cpu_matmul, "rotate", _rotate_half_by_xla)
-    jax.clear_caches()
-    verify, steps = _verify_and_steps(config)
-    jax.clear_caches()
-    assert not np.array_equal(verify, steps)
+    written, unwritten, steps = _verify_and_steps(config)
+  np.testing.assert_allclose(written, steps, atol=1e-4)
+  assert not np.array_equal(written, steps)
+  assert not np.array_equal(unwritten, steps)
+  monkeypatch.setattr(attention, "_attend_by_kernel",
+                      attention._unwritten_by_xla)
+  jax.clear_caches()
+  written, unwritten, steps = _verify_and_steps(config)
+  jax.clear_caches()
+  np.testing.assert_allclose(unwritten, steps, atol=1e-4)
+  assert not np.array_equal(unwritten, steps)
 
 
 def _run(code, **env):
@@ -245,7 +357,8 @@ def test_without_a_compiler_one_warning_and_the_xla_path(tmp_path):
 def test_every_instruction_set_variant_computes_the_same_product(tmp_path,
                                                                  march):
   """The AVX2, AVX-512 without bf16 and scalar variants, which this machine
-  would not pick, against a float64 product and bitwise row by row."""
+  would not pick, against a float64 product and bitwise row by row, and
+  their attention against a float64 softmax."""
   binary = tmp_path / "isa_check"
   subprocess.run(["c++", "-O2", *f"-march={march}".split(), "-std=c++17", "-w",
                   f"-I{jax.ffi.include_dir()}",
@@ -254,4 +367,4 @@ def test_every_instruction_set_variant_computes_the_same_product(tmp_path,
   done = subprocess.run([str(binary)], capture_output=True, text=True,
                         timeout=300)
   assert done.returncode == 0, done.stdout
-  assert done.stdout.count(": ok") == 6, done.stdout
+  assert done.stdout.count(": ok") == 7, done.stdout
