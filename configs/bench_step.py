@@ -6,6 +6,12 @@ XLA's dot instead of the small-row CPU kernel, in the same run.
 
   python -m experiments.bench_step --config=configs/bench_step.py --workdir=/tmp/bench_step
 
+`shapes` times random weights of published models' shapes instead
+(smollm2_135m, llama3_1b, llama3_8b, gemma3_1b: `NAMED_SHAPES` in
+experiments/harness/bench_step.py), bfloat16 matmul weights, on any backend
+and with nothing downloaded: --config=configs/bench_step.py:shapes (on a CPU
+the 8B row needs 16 GB of memory).
+
 `runlocal` is a smoke run on the built-in target:
 --config=configs/bench_step.py:runlocal
 """
@@ -51,6 +57,12 @@ def get_config(arg=None):
   config.cache_length = 256
   # Timing rounds; each time is the median.
   config.rounds = 5
+  if arg == "shapes":
+    # No tokenizer, so no AR/SD columns; the crossover is the CPU rows'.
+    config.models = ml_collections.ConfigDict({
+        name: {"shape": name, "weight_dtype": "bfloat16"}
+        for name in ("smollm2_135m", "llama3_1b", "llama3_8b", "gemma3_1b")})
+    config.crossover_rows = ()
   if arg == "runlocal":
     for name in ("smollm2", "builtin_bf16", "smollm2_bf16",
                  "smollm2_nokernel", "smollm2_bf16_nokernel", "gemma3"):

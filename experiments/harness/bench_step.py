@@ -13,9 +13,15 @@ for the M where one starts to win (`matmul_crossover`); and AR and SD
 Every time is a median over rounds in which the parts take turns
 (`timing.RoundTimer`). A model with `cpu_kernel: False` runs with XLA's dot
 in place of the small-row CPU kernel (`spec_jax.cpu_matmul`).
+
+A model with `shape: NAME` (one of `NAMED_SHAPES`) has random weights of a
+published model's shapes: its step, verifies, output layer and crossover are
+timed as a real checkpoint's would be, on any backend and with nothing
+downloaded; it has no tokenizer, so no AR/SD columns.
 """
 
 import contextlib
+import dataclasses
 import functools
 import logging
 
@@ -28,12 +34,70 @@ from experiments.harness import compare, loading, timing
 from experiments.harness import config as config_lib
 from spec_jax import cpu_matmul
 from spec_jax.drafting import Proposal
-from spec_jax.model import matmul, xla_matmul
+from spec_jax.io import hf
+from spec_jax.model import Model, matmul, xla_matmul
 from spec_jax.sampling import Sampling
 
 _log = logging.getLogger(__name__)
 
 GIB = 1 << 30
+
+# The config.json fields that fix each model's shapes, as its Hugging Face
+# repository publishes them (HuggingFaceTB/SmolLM2-135M-Instruct,
+# meta-llama/Llama-3.2-1B, meta-llama/Llama-3.1-8B, google/gemma-3-1b-it);
+# `hf.config_from_hf` reads them as it reads a checkpoint's.
+NAMED_SHAPES = {
+    "smollm2_135m": {
+        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0, "tie_word_embeddings": True},
+    "llama3_1b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "rope_scaling": {
+            "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": True},
+    "llama3_8b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": False},
+    "gemma3_1b": {
+        "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152,
+        "intermediate_size": 6912, "num_hidden_layers": 26,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+        "max_position_embeddings": 32768, "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "sliding_window": 512,
+        "sliding_window_pattern": 6},
+}
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError, before anything is measured, on a model whose
+  `shape` is not one of NAMED_SHAPES."""
+  for name, model_config in config.models.items():
+    shape = model_config.get("shape")
+    if shape is not None and shape not in NAMED_SHAPES:
+      raise ValueError(f"models.{name}.shape={shape!r}: choose one of "
+                       f"{tuple(NAMED_SHAPES)}.")
+
+
+def synthetic_model(shape: str, weight_dtype: str | None) -> Model:
+  """Random weights of NAMED_SHAPES[shape], matmul weights in weight_dtype
+  (None: float32)."""
+  config = hf.config_from_hf(NAMED_SHAPES[shape])
+  config = dataclasses.replace(config, weight_dtype=weight_dtype)
+  return Model.init(config, jax.random.key(0))
 
 
 @jax.jit
@@ -140,30 +204,36 @@ def measure_model(config: ml_collections.ConfigDict, model_config,
 
 
 def _measure(config, run_config, bandwidth: float) -> dict:
-  loaded = loading.load_models(run_config)
-  target = loaded.target.model
+  shape = run_config.get("shape")
+  if shape is None:
+    loaded = loading.load_models(run_config)
+    target, drafter = loaded.target.model, loaded.drafter
+  else:
+    target = synthetic_model(shape, run_config.weight_dtype or None)
+    drafter = loading.make_drafter(run_config, target)
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
   gammas = config_lib.gammas(config)
   per_batch = {}
   for batch_size in config.batch_sizes:
-    timer = timing.RoundTimer(_timers(run_config, target, loaded.drafter,
+    timer = timing.RoundTimer(_timers(run_config, target, drafter,
                                       batch_size, gammas,
                                       config.cache_length))
     for _ in range(config.rounds):
       timer.time_round()
     per_batch[batch_size] = timer.seconds()
   one = per_batch[config.batch_sizes[0]]
-  prompts = loading.load_prompt_set(run_config, loaded)
-  run = compare.compare_at(run_config, loaded, prompts, 0.0)
   row = {
       "weight_bytes": int(weight_bytes), "bandwidth_gb_s": bandwidth / 1e9,
       "step_s": one["step"], "roofline_s": weight_bytes / bandwidth,
       "step_over_roofline": one["step"] * bandwidth / weight_bytes,
-      "output_layer_s": one["output_layer"],
-      "ar_tokens_per_s": run["ar"]["tokens_per_s"],
-      "sd_tokens_per_s": run["sd"]["tokens_per_s"],
-      "sd_tokens_per_cycle": run["sd"]["tokens_per_cycle"],
-      "sd_width_cycles": run["sd"]["width_cycles"]}
+      "output_layer_s": one["output_layer"]}
+  if shape is None:  # a real model, with a tokenizer and prompts
+    run = compare.compare_at(run_config, loaded,
+                             loading.load_prompt_set(run_config, loaded), 0.0)
+    row.update(ar_tokens_per_s=run["ar"]["tokens_per_s"],
+               sd_tokens_per_s=run["sd"]["tokens_per_s"],
+               sd_tokens_per_cycle=run["sd"]["tokens_per_cycle"],
+               sd_width_cycles=run["sd"]["width_cycles"])
   # Not under cpu_matmul.disabled() (a cpu_kernel: False row): serves says no.
   if config.crossover_rows and cpu_matmul.serves(1):
     row["matmul_crossover"] = matmul_crossover(
@@ -181,6 +251,7 @@ def _measure(config, run_config, bandwidth: float) -> dict:
 
 def bench_step(config: ml_collections.ConfigDict) -> dict:
   """{"models": {name: row}} for every installed model of config.models."""
+  check_config(config)
   reads = read_bandwidth(config.rounds)
   bandwidth = max(reads.values())
   _log.info("read bandwidth %.1f GB/s", bandwidth / 1e9)
@@ -192,15 +263,16 @@ def bench_step(config: ml_collections.ConfigDict) -> dict:
       _log.info("%s skipped: %s", name, error)
       continue
     row = models[name]
-    _log.info("%s: step %.1f ms = %.2fx the roofline; verify/step %s; "
-              "AR %.1f, SD %.1f tok/s", name, 1e3 * row["step_s"],
-              row["step_over_roofline"], row["verify_cost_ratio"],
-              row["ar_tokens_per_s"], row["sd_tokens_per_s"])
+    _log.info("%s: step %.1f ms = %.2fx the roofline; verify/step %s", name,
+              1e3 * row["step_s"], row["step_over_roofline"],
+              row["verify_cost_ratio"])
   return {"models": models, "cpu_kernel": cpu_matmul.isa(),
           "bandwidth_reads_gb_s": {k: v / 1e9 for k, v in reads.items()}}
 
 
 def format_table(report: dict) -> str:
+  tokens_per_s = lambda row, key: (f"{row[key]:>8.1f}" if key in row
+                                   else f"{'-':>8}")
   lines = [f"{'model':<12} {'step ms':>7} {'/roof':>5} {'out ms':>6}  "
            f"verify/step (b1)          verify/step (b8)          "
            f"{'AR tok/s':>8} {'SD tok/s':>8}"]
@@ -213,5 +285,6 @@ def format_table(report: dict) -> str:
         f"{1e3 * row['output_layer_s']:>6.2f}  "
         f"{ratios('verify_cost_ratio'):<25} "
         f"{ratios('verify_cost_ratio_batch8'):<25} "
-        f"{row['ar_tokens_per_s']:>8.1f} {row['sd_tokens_per_s']:>8.1f}")
+        f"{tokens_per_s(row, 'ar_tokens_per_s')} "
+        f"{tokens_per_s(row, 'sd_tokens_per_s')}")
   return "\n".join(lines)

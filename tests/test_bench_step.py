@@ -1,0 +1,67 @@
+"""The step benchmark's named shapes: published models' shapes with random
+weights, timed as a real checkpoint's are."""
+
+import dataclasses
+import math
+
+import jax
+import ml_collections
+import pytest
+
+from configs import bench_step as bench_step_config
+from experiments.harness import bench_step
+from spec_jax import model
+from spec_jax.io import gguf, hf
+
+# The parameter counts each model's own card publishes.
+PUBLISHED_PARAMETERS = {"smollm2_135m": 134_515_008,
+                        "llama3_1b": 1_235_814_400,
+                        "llama3_8b": 8_030_261_248,
+                        "gemma3_1b": 999_885_952}
+
+
+@pytest.mark.parametrize("shape", bench_step.NAMED_SHAPES)
+def test_named_shapes_have_the_published_parameter_counts(shape):
+  config = hf.config_from_hf(bench_step.NAMED_SHAPES[shape])
+  params = model.abstract_params(config)
+  assert sum(math.prod(p.shape) for p in jax.tree.leaves(
+      params)) == PUBLISHED_PARAMETERS[shape]
+
+
+def test_the_smollm2_shape_is_the_packaged_checkpoints_config():
+  """Every field, read from the GGUF's metadata as load_gguf reads it."""
+  path = gguf.packaged("smollm2-135m-instruct")
+  if path is None:
+    pytest.skip("smollm2-135m-instruct is not installed; see the README's "
+                "set-up.")
+  reader = gguf._open(path)  # pylint: disable=protected-access
+  checkpoint = gguf.config_from_gguf(
+      gguf._Metadata(reader, path),  # pylint: disable=protected-access
+      {tensor.name for tensor in reader.tensors})
+  named = hf.config_from_hf(bench_step.NAMED_SHAPES["smollm2_135m"])
+  # GGUF stores the norm's epsilon as a float32.
+  assert checkpoint.norm_eps == pytest.approx(named.norm_eps, rel=1e-6)
+  assert dataclasses.replace(checkpoint, norm_eps=named.norm_eps) == named
+
+
+def test_a_named_shape_is_timed_without_a_tokenizer():
+  config = bench_step_config.get_config("shapes")
+  config.gammas, config.batch_sizes, config.rounds = (2,), (1,), 1
+  config.cache_length = 32
+  row = bench_step.measure_model(
+      config, {"shape": "smollm2_135m", "weight_dtype": "bfloat16"}, 5e10)
+  # bfloat16 matmul weights; the norms stay float32.
+  assert row["weight_bytes"] == pytest.approx(
+      2 * PUBLISHED_PARAMETERS["smollm2_135m"], rel=1e-3)
+  assert row["step_s"] > 0 and set(row["verify_cost_ratio"]) == {"2"}
+  assert "ar_tokens_per_s" not in row
+  table = bench_step.format_table({"models": {"smollm2_135m": row}})
+  assert table.splitlines()[1].split()[-2:] == ["-", "-"]
+
+
+def test_an_unknown_shape_is_refused_before_anything_runs():
+  config = bench_step_config.get_config("shapes")
+  config.models = ml_collections.ConfigDict({"mine": {"shape": "llama3_70b"}})
+  with pytest.raises(ValueError, match="models.mine.shape='llama3_70b': "
+                     "choose one of"):
+    bench_step.bench_step(config)
