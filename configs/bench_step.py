@@ -9,8 +9,8 @@ XLA's dot instead of the small-row CPU kernel, in the same run.
 `shapes` times random weights of published models' shapes instead
 (smollm2_135m, llama3_1b, llama3_8b, gemma3_1b: `NAMED_SHAPES` in
 experiments/harness/bench_step.py), bfloat16 matmul weights, on any backend
-and with nothing downloaded: --config=configs/bench_step.py:shapes (on a CPU
-the 8B row needs 16 GB of memory).
+and with nothing downloaded: --config=configs/bench_step.py:shapes (a named
+shape runs on one device, unsharded: the 8B row needs 16 GB for its weights).
 
 `runlocal` is a smoke run on the built-in target:
 --config=configs/bench_step.py:runlocal

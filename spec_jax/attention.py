@@ -20,13 +20,15 @@ import numpy as np
 from spec_jax import cpu_matmul
 
 # Masked attention scores. Finite rather than -inf so that a query that sees no
-# key at all (never used, but possible in padding rows) gives no NaN.
+# key at all (never used, but possible in padding rows) gives no NaN; its
+# output is zero, as the kernel's.
 MASKED = -1e30
 
 
 def softcap(x: jax.Array, cap: float | None) -> jax.Array:
-  """cap * tanh(x / cap): bounds x smoothly to (-cap, cap) (Gemma 2)."""
-  return x if cap is None else cap * jnp.tanh(x / cap)
+  """cap * tanh(x / cap): bounds x smoothly to (-cap, cap) (Gemma 2); None
+  or 0 leaves x as it is."""
+  return cap * jnp.tanh(x / cap) if cap else x
 
 
 def split_new(visible: jax.Array, slots: jax.Array):
@@ -61,10 +63,13 @@ def attend_by_xla(q, keys, values, visible, scale: float, cap: float | None,
   scores = jnp.where(visible[:, None, None], scores, MASKED)
   weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
   if own is None:
-    return jnp.einsum("bkgts,bksd->btkgd", weights, values)
-  cached, new = jnp.split(weights, [keys.shape[2]], axis=-1)
-  return (jnp.einsum("bkgts,bksd->btkgd", cached, values)
-          + jnp.einsum("bkgts,bksd->btkgd", new, own_values))
+    attended = jnp.einsum("bkgts,bksd->btkgd", weights, values)
+  else:
+    cached, new = jnp.split(weights, [keys.shape[2]], axis=-1)
+    attended = (jnp.einsum("bkgts,bksd->btkgd", cached, values)
+                + jnp.einsum("bkgts,bksd->btkgd", new, own_values))
+  sees_any = visible.any(-1)[:, :, None, None, None]  # [B, T, 1, 1, 1]
+  return jnp.where(sees_any, attended, 0)
 
 
 def attend(q, keys, values, own_keys, own_values, slots, visible, *,
@@ -72,7 +77,9 @@ def attend(q, keys, values, own_keys, own_values, slots, visible, *,
   """[B, T, K, G, Dh]: the T tokens' queries q [B, T, K, G, Dh] attending to
   the slots [B, T, S] they see (`visible`: as if their own keys were
   written) of the cache keys, values [B, K, S, Dh] and of their own keys and
-  values [B, K, T, Dh] at slots [B, T].
+  values [B, K, T, Dh] at slots [B, T], consecutive from each row's first
+  (the kernel reads token j's keys from the own ones at slot slots[b, 0] + j,
+  written or not). A token that sees no slot gets zeros.
 
   written: whether keys and values already hold the own ones at their slots
     (if not, the own slots hold what an earlier call left there).
@@ -83,7 +90,8 @@ def attend(q, keys, values, own_keys, own_values, slots, visible, *,
   XLA's formula elsewhere.
   """
   batch, length = q.shape[:2]
-  if (q.dtype == keys.dtype == jnp.float32
+  if (all(x.dtype == jnp.float32
+          for x in (q, keys, values, own_keys, own_values))
       and cpu_matmul.serves(batch * length)):
     return _attend_by_kernel(q, keys, values, own_keys, own_values,
                              slots.astype(jnp.int32), visible, scale, cap)

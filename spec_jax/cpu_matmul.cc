@@ -413,7 +413,7 @@ ffi::Error RotateImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
 //
 // Every sum (the dot over D, the softmax's, the values') runs over the seen
 // slots in slot order, skipping the unseen ones, in code that depends on
-// neither T nor B. So a token's output is bitwise the same in a step (its
+// neither T nor B. A token that sees no slot gets zeros. So a token's output is bitwise the same in a step (its
 // key read from the cache), a verify (read from own_keys) and a tree pass
 // (its ancestors at other slots than a chain's, in the same order).
 struct Attention {
@@ -492,6 +492,7 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   auto qd = q.dimensions(), cd = keys.dimensions(), nd = own_keys.dimensions();
   if (qd.size() != 5 || cd.size() != 4 || nd.size() != 4 ||
       cd[0] != qd[0] || cd[1] != qd[2] || cd[3] != qd[4] ||
+      values.dimensions().size() != 4 || own_values.dimensions().size() != 4 ||
       values.element_count() != keys.element_count() ||
       own_values.element_count() != own_keys.element_count() ||
       nd[0] != qd[0] || nd[1] != qd[2] || nd[2] != qd[1] || nd[3] != qd[4] ||

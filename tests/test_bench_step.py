@@ -44,6 +44,7 @@ def test_the_smollm2_shape_is_the_packaged_checkpoints_config():
   assert dataclasses.replace(checkpoint, norm_eps=named.norm_eps) == named
 
 
+@pytest.mark.slow  # 20 s: a 135M model's step and verify compiled and timed
 def test_a_named_shape_is_timed_without_a_tokenizer():
   config = bench_step_config.get_config("shapes")
   config.gammas, config.batch_sizes, config.rounds = (2,), (1,), 1
@@ -64,4 +65,11 @@ def test_an_unknown_shape_is_refused_before_anything_runs():
   config.models = ml_collections.ConfigDict({"mine": {"shape": "llama3_70b"}})
   with pytest.raises(ValueError, match="models.mine.shape='llama3_70b': "
                      "choose one of"):
+    bench_step.bench_step(config)
+
+
+def test_a_named_shape_with_a_draft_model_is_refused():
+  config = bench_step_config.get_config("shapes")
+  config.drafter = "model"
+  with pytest.raises(ValueError, match="a named shape has no draft model"):
     bench_step.bench_step(config)

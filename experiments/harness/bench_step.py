@@ -15,9 +15,9 @@ Every time is a median over rounds in which the parts take turns
 in place of the small-row CPU kernel (`spec_jax.cpu_matmul`).
 
 A model with `shape: NAME` (one of `NAMED_SHAPES`) has random weights of a
-published model's shapes: its step, verifies, output layer and crossover are
-timed as a real checkpoint's would be, on any backend and with nothing
-downloaded; it has no tokenizer, so no AR/SD columns.
+published model's shapes, timed as a real checkpoint's would be, on any
+backend and with nothing downloaded; it has no tokenizer, so no AR/SD
+columns.
 """
 
 import contextlib
@@ -82,14 +82,29 @@ NAMED_SHAPES = {
 }
 
 
+def _row_config(config: ml_collections.ConfigDict,
+                model_config) -> ml_collections.ConfigDict:
+  """The config with one model's overrides (an entry of config.models)."""
+  run_config = ml_collections.ConfigDict(config.to_dict())
+  run_config.update(model_config)
+  return run_config
+
+
 def check_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError, before anything is measured, on a model whose
-  `shape` is not one of NAMED_SHAPES."""
+  """Raises ValueError, before anything is measured, on a model that cannot
+  run: its settings, a `shape` that NAMED_SHAPES lacks, or a named shape
+  with a draft model (random weights come with none)."""
   for name, model_config in config.models.items():
-    shape = model_config.get("shape")
+    run_config = _row_config(config, model_config)
+    config_lib.check(run_config)
+    loading.check_drafter(run_config)
+    shape = run_config.get("shape")
     if shape is not None and shape not in NAMED_SHAPES:
       raise ValueError(f"models.{name}.shape={shape!r}: choose one of "
                        f"{tuple(NAMED_SHAPES)}.")
+    if shape is not None and run_config.drafter == "model":
+      raise ValueError(f"models.{name}: a named shape has no draft model; "
+                       "set its drafter to ngram or layer_skip.")
 
 
 def synthetic_model(shape: str, weight_dtype: str | None) -> Model:
@@ -196,8 +211,7 @@ def _timers(config: ml_collections.ConfigDict, target, drafter,
 def measure_model(config: ml_collections.ConfigDict, model_config,
                   bandwidth: float) -> dict:
   """One model's row of bench_step.json."""
-  run_config = ml_collections.ConfigDict(config.to_dict())
-  run_config.update(model_config)
+  run_config = _row_config(config, model_config)
   with (contextlib.nullcontext() if run_config.get("cpu_kernel", True)
         else cpu_matmul.disabled()):
     return _measure(config, run_config, bandwidth)
@@ -263,9 +277,11 @@ def bench_step(config: ml_collections.ConfigDict) -> dict:
       _log.info("%s skipped: %s", name, error)
       continue
     row = models[name]
-    _log.info("%s: step %.1f ms = %.2fx the roofline; verify/step %s", name,
-              1e3 * row["step_s"], row["step_over_roofline"],
-              row["verify_cost_ratio"])
+    _log.info("%s: step %.1f ms = %.2fx the roofline; verify/step %s; "
+              "AR, SD tok/s %s", name, 1e3 * row["step_s"],
+              row["step_over_roofline"], row["verify_cost_ratio"],
+              [round(row[k], 1) for k in ("ar_tokens_per_s", "sd_tokens_per_s")
+               if k in row] or "-")
   return {"models": models, "cpu_kernel": cpu_matmul.isa(),
           "bandwidth_reads_gb_s": {k: v / 1e9 for k, v in reads.items()}}
 
