@@ -97,9 +97,8 @@ def attend(q, keys, values, own_keys, own_values, slots, visible, *,
                              slots.astype(jnp.int32), visible, scale, cap)
   if written:
     return attend_by_xla(q, keys, values, visible, scale, cap)
-  cached, new = split_new(visible, slots)
-  return attend_by_xla(q, keys, values, cached, scale, cap,
-                       (own_keys, own_values, new))
+  return _unwritten_by_xla(q, keys, values, own_keys, own_values, slots,
+                           visible, scale, cap)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
@@ -110,9 +109,10 @@ def _attend_by_kernel(q, keys, values, own_keys, own_values, slots, visible,
                            np.float32(0 if cap is None else cap))
 
 
-# The kernel has no derivative of its own; gradients (rarely of passes so
-# small) are those of XLA's formula over the same operands, the own keys
-# read from own_keys as the kernel reads them.
+# XLA's formula over the own keys as given, unwritten: the XLA path of a pass
+# that left them unwritten, and the kernel's derivative (it has none of its
+# own; gradients of passes so small are rare), the own keys read from
+# own_keys as the kernel reads them.
 def _unwritten_by_xla(q, keys, values, own_keys, own_values, slots, visible,
                       scale, cap):
   cached, new = split_new(visible, slots)
