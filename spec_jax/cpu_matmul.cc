@@ -60,8 +60,31 @@ inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline Vec Broadcast(float a) { return _mm512_set1_ps(a); }
 inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline void Store(float* p, Vec v, Mask m) { _mm512_mask_storeu_ps(p, m, v); }
 inline void Prefetch(const void* p) {
   _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+}
+// glibc's vector expf (libmvec).
+extern "C" __m512 _ZGVeN16v_expf(__m512);
+inline Vec Exp(Vec x) { return _ZGVeN16v_expf(x); }
+inline Vec Max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline float ReduceMax(Vec v) { return _mm512_reduce_max_ps(v); }
+// Lane i: the sum of v[i]'s lanes, by a fixed tree of in-register transposes
+// (pairs, then quads within 128-bit lanes, then across them).
+inline Vec SumEach(const Vec* v) {
+  Vec pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]) +
+               _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; ++i)
+    quads[i] = _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44) +
+               _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE);
+  Vec halves[2];
+  for (int i = 0; i < 2; ++i)
+    halves[i] = _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88) +
+                _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD);
+  return _mm512_shuffle_f32x4(halves[0], halves[1], 0x88) +
+         _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kWidth = 8;
@@ -97,8 +120,28 @@ inline float Sum(Vec v) {
 }
 inline Vec Broadcast(float a) { return _mm256_set1_ps(a); }
 inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline void Store(float* p, Vec v, Mask m) { _mm256_maskstore_ps(p, m, v); }
 inline void Prefetch(const void* p) {
   _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+}
+extern "C" __m256 _ZGVdN8v_expf(__m256);
+inline Vec Exp(Vec x) { return _ZGVdN8v_expf(x); }
+inline Vec Max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline float ReduceMax(Vec v) {
+  alignas(32) float lanes[kWidth];
+  _mm256_store_ps(lanes, v);
+  return *std::max_element(lanes, lanes + kWidth);
+}
+inline Vec SumEach(const Vec* v) {
+  Vec pairs[4], quads[2];
+  for (int i = 0; i < 4; ++i)
+    pairs[i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]) +
+               _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 2; ++i)
+    quads[i] = _mm256_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44) +
+               _mm256_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE);
+  return _mm256_permute2f128_ps(quads[0], quads[1], 0x20) +
+         _mm256_permute2f128_ps(quads[0], quads[1], 0x31);
 }
 #else
 constexpr int kWidth = 1;
@@ -119,7 +162,12 @@ inline Vec Fma(Vec a, Vec b, Vec c) { return a * b + c; }
 inline float Sum(Vec v) { return v; }
 inline Vec Broadcast(float a) { return a; }
 inline void Store(float* p, Vec v) { *p = v; }
+inline void Store(float* p, Vec v, Mask) { *p = v; }
 inline void Prefetch(const void*) {}
+inline Vec Exp(Vec x) { return std::exp(x); }
+inline Vec Max(Vec a, Vec b) { return std::max(a, b); }
+inline float ReduceMax(Vec v) { return v; }
+inline Vec SumEach(const Vec* v) { return v[0]; }
 #endif
 
 // Output columns per pass over k, and x rows per pass: with AVX-512, 4 x 6 =
@@ -402,6 +450,25 @@ ffi::Error RotateImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
 }
 
 
+// Vectors of D summed at once in the attention's weighted sum of values, and
+// seen slots (an even number) per pass over the queries that share them.
+constexpr int kGroup = 4;
+constexpr int kRanks = 16;
+
+// A token's seen slots in slot order: their keys (padded to whole vectors
+// with the first one's) and values.
+struct Seen {
+  std::vector<const float*> keys, values;
+  int64_t n = 0, padded = 0;
+};
+
+// Each worker's scratch for one group of queries.
+struct Scratch {
+  std::vector<Seen> tokens;    // per token of the group
+  std::vector<float> weights;  // [queries, padded]: scores, then softmax
+  std::vector<float> sums;     // [queries, 2, kGroup * kWidth]
+};
+
 // Attention of T new tokens per row over a cache of S slots, for passes the
 // small-row kernel serves. out[b, t, k, g] is the softmax over the slots s
 // that token t of row b sees (visible [B, T, S]) of q[b, t, k, g] . key_s /
@@ -412,10 +479,11 @@ ffi::Error RotateImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
 // its own keys unwritten.
 //
 // Every sum (the dot over D, the softmax's, the values') runs over the seen
-// slots in slot order, skipping the unseen ones, in code that depends on
-// neither T nor B. A token that sees no slot gets zeros. So a token's output is bitwise the same in a step (its
-// key read from the cache), a verify (read from own_keys) and a tree pass
-// (its ancestors at other slots than a chain's, in the same order).
+// slots in the order of their rank among them, skipping the unseen ones, in
+// code that depends on neither T nor B. A token that sees no slot gets
+// zeros. So a token's output is bitwise the same in a step (its key read
+// from the cache), a verify (read from own_keys) and a tree pass (its
+// ancestors at other slots than a chain's, in the same order).
 struct Attention {
   const float *q, *keys, *values, *own_keys, *own_values;
   const int32_t* slots;
@@ -423,61 +491,164 @@ struct Attention {
   int64_t batch, tokens, kv_heads, group, num_slots, dim;
   float scale, cap;
 
-  float Dot(const float* a, const float* b) const {
-    Vec acc = Zero();
-    int64_t d = 0;
-    for (; d + kWidth <= dim; d += kWidth)
-      acc = Fma(Load(a + d), Load(b + d), acc);
-    if (d < dim) {
-      Mask mask = TailMask(dim - d);
-      acc = Fma(Load(a + d, mask), Load(b + d, mask), acc);
-    }
-    return Sum(acc);
-  }
-
-  // Query head (b, t, k, g) = index, in q's row-major order: its output.
-  // weight and value are the caller's scratch.
-  void Query(int64_t index, std::vector<float>& weight,
-             std::vector<const float*>& value, float* out) const {
-    int64_t k = index / group % kv_heads;
-    int64_t t = index / (group * kv_heads) % tokens;
-    int64_t b = index / (group * kv_heads * tokens);
-    const float* query = q + index * dim;
-    const bool* seen = visible + (b * tokens + t) * num_slots;
+  // Token t of row b's seen slots, for kv head k.
+  void Find(int64_t b, int64_t t, int64_t k, Seen& seen) const {
+    const bool* visible_row = visible + (b * tokens + t) * num_slots;
     const int32_t* own = slots + b * tokens;
     const float* cache_k = keys + (b * kv_heads + k) * num_slots * dim;
     const float* cache_v = values + (b * kv_heads + k) * num_slots * dim;
     const float* new_k = own_keys + (b * kv_heads + k) * tokens * dim;
     const float* new_v = own_values + (b * kv_heads + k) * tokens * dim;
-    weight.clear();
-    value.clear();
-    float top = -std::numeric_limits<float>::infinity();
+    seen.keys.resize(num_slots + kWidth);
+    seen.values.resize(num_slots);
+    int64_t n = 0;
     for (int64_t s = 0; s < num_slots; ++s) {
-      if (!seen[s]) continue;
+      if (!visible_row[s]) continue;
       int64_t j = s - own[0];
       bool is_own = j >= 0 && j < tokens && own[j] == s;
-      const float* key = is_own ? new_k + j * dim : cache_k + s * dim;
-      float score = Dot(query, key) / scale;
-      if (cap > 0) score = cap * std::tanh(score / cap);
-      weight.push_back(score);
-      value.push_back(is_own ? new_v + j * dim : cache_v + s * dim);
-      top = std::max(top, score);
+      seen.keys[n] = is_own ? new_k + j * dim : cache_k + s * dim;
+      seen.values[n++] = is_own ? new_v + j * dim : cache_v + s * dim;
     }
-    float total = 0;
-    for (float& w : weight) total += (w = std::exp(w - top));
-    for (float& w : weight) w /= total;
+    seen.n = n;
+    seen.padded = (n + kWidth - 1) / kWidth * kWidth;
+    // Padding's scores are overwritten by Softmax.
+    for (int64_t i = n; i < seen.padded; ++i) seen.keys[i] = seen.keys[0];
+  }
+
+  // weight[0 : kWidth]: the scores of a vector of seen slots, whose keys are
+  // block[0 : kWidth]. Each dot product is one vector accumulator over D in
+  // order, its lanes summed by SumEach.
+  void Scores(const float* query, const float* const* block,
+              float* weight) const {
+    Vec dots[kWidth];
+    for (int j = 0; j < kWidth; ++j) dots[j] = Zero();
     int64_t d = 0;
     for (; d + kWidth <= dim; d += kWidth) {
-      Vec acc = Zero();
-      for (size_t i = 0; i < weight.size(); ++i)
-        acc = Fma(Broadcast(weight[i]), Load(value[i] + d), acc);
-      Store(out + d, acc);
+      Vec qv = Load(query + d);
+      for (int j = 0; j < kWidth; ++j)
+        dots[j] = Fma(qv, Load(block[j] + d), dots[j]);
     }
-    for (; d < dim; ++d) {
-      float acc = 0;
-      for (size_t i = 0; i < weight.size(); ++i)
-        acc += weight[i] * value[i][d];
-      out[d] = acc;
+    if (d < dim) {
+      Mask mask = TailMask(dim - d);
+      Vec qv = Load(query + d, mask);
+      for (int j = 0; j < kWidth; ++j)
+        dots[j] = Fma(qv, Load(block[j] + d, mask), dots[j]);
+    }
+    Store(weight, SumEach(dots) / Broadcast(scale));
+  }
+
+  // Scores weight[0 : padded] (n of them real) become softmax weights, the
+  // exponentials summed lane-wise a vector at a time.
+  void Softmax(float* weight, int64_t n, int64_t padded) const {
+    if (cap > 0)
+      for (int64_t i = 0; i < n; ++i) weight[i] = cap * std::tanh(weight[i] / cap);
+    // Padding gets exp(-inf) = 0, so it adds nothing to the lane sums.
+    const float inf = std::numeric_limits<float>::infinity();
+    for (int64_t i = n; i < padded; ++i) weight[i] = -inf;
+    Vec top = Broadcast(-inf);
+    for (int64_t i = 0; i < padded; i += kWidth)
+      top = Max(top, Load(weight + i));
+    Vec shift = Broadcast(ReduceMax(top)), lanes = Zero();
+    for (int64_t i = 0; i < padded; i += kWidth) {
+      Vec e = Exp(Load(weight + i) - shift);
+      Store(weight + i, e);
+      lanes = lanes + e;
+    }
+    Vec total = Broadcast(Sum(lanes));
+    for (int64_t i = 0; i < padded; i += kWidth)
+      Store(weight + i, Load(weight + i) / total);
+  }
+
+  // Seen slots [begin, end) of the weighted sum of values at D offset d, V
+  // vectors (the last masked by tail), added to sums [2, V vectors]: two
+  // chains, even and odd rank, so that the FMAs' latency hides; begin is
+  // even, so a rank's chain does not depend on how the slots are split.
+  template <int V>
+  void AddValues(const Seen& seen, const float* weight, int64_t begin,
+                 int64_t end, int64_t d, Mask tail, float* sums) const {
+    Vec even[V], odd[V];
+    for (int v = 0; v < V; ++v) {
+      even[v] = Load(sums + v * kWidth);
+      odd[v] = Load(sums + (V + v) * kWidth);
+    }
+    auto add = [&](Vec* chain, int64_t i) {
+      Vec w = Broadcast(weight[i]);
+      const float* value = seen.values[i] + d;
+      for (int v = 0; v + 1 < V; ++v)
+        chain[v] = Fma(w, Load(value + v * kWidth), chain[v]);
+      chain[V - 1] = Fma(w, Load(value + (V - 1) * kWidth, tail), chain[V - 1]);
+    };
+    int64_t i = begin;
+    for (; i + 2 <= end; i += 2) {
+      add(even, i);
+      add(odd, i + 1);
+    }
+    if (i < end) add(even, i);
+    for (int v = 0; v < V; ++v) {
+      Store(sums + v * kWidth, even[v]);
+      Store(sums + (V + v) * kWidth, odd[v]);
+    }
+  }
+
+  // Queries [first, last) of kv head k of row b, numbered t * group + g:
+  // their outputs. They read the same keys and values, so each pass over a
+  // block of seen slots serves them all from L1, where one query at a time
+  // streamed the whole cache from L2 per query. Each query's arithmetic is
+  // the same as alone, whichever others share its group.
+  void Group(int64_t b, int64_t k, int64_t first, int64_t last,
+             Scratch& scratch, float* y) const {
+    int64_t t_first = first / group, count = last - first;
+    scratch.tokens.resize((last - 1) / group + 1 - t_first);
+    int64_t widest = 0;
+    for (size_t t = 0; t < scratch.tokens.size(); ++t) {
+      Find(b, t_first + t, k, scratch.tokens[t]);
+      widest = std::max(widest, scratch.tokens[t].padded);
+    }
+    auto seen_of = [&](int64_t i) -> const Seen& {
+      return scratch.tokens[(first + i) / group - t_first];
+    };
+    auto index_of = [&](int64_t i) {  // in q's [B, T, K, G] order
+      return ((b * tokens + (first + i) / group) * kv_heads + k) * group +
+             (first + i) % group;
+    };
+    scratch.weights.resize(count * widest);
+    float* weights = scratch.weights.data();
+    for (int64_t r = 0; r < widest; r += kWidth)
+      for (int64_t i = 0; i < count; ++i)
+        if (r < seen_of(i).padded)
+          Scores(q + index_of(i) * dim, &seen_of(i).keys[r],
+                 weights + i * widest + r);
+    for (int64_t i = 0; i < count; ++i)
+      Softmax(weights + i * widest, seen_of(i).n, seen_of(i).padded);
+    const int64_t stride = 2 * kGroup * kWidth;
+    scratch.sums.resize(count * stride);
+    for (int64_t d = 0; d < dim; d += kGroup * kWidth) {
+      int vectors = (int)std::min<int64_t>(kGroup, (dim - d + kWidth - 1) / kWidth);
+      Mask tail = TailMask(std::min<int64_t>(kWidth, dim - d - (vectors - 1) * kWidth));
+      std::fill(scratch.sums.begin(), scratch.sums.end(), 0.0f);
+      for (int64_t r = 0; r < widest; r += kRanks)
+        for (int64_t i = 0; i < count; ++i) {
+          const Seen& seen = seen_of(i);
+          int64_t end = std::min(seen.n, r + kRanks);
+          if (r >= end) continue;
+          const float* weight = weights + i * widest;
+          float* sums = scratch.sums.data() + i * stride;
+          switch (vectors) {
+            case 1: AddValues<1>(seen, weight, r, end, d, tail, sums); break;
+            case 2: AddValues<2>(seen, weight, r, end, d, tail, sums); break;
+            case 3: AddValues<3>(seen, weight, r, end, d, tail, sums); break;
+            default: AddValues<kGroup>(seen, weight, r, end, d, tail, sums);
+          }
+        }
+      for (int64_t i = 0; i < count; ++i) {
+        const float* sums = scratch.sums.data() + i * stride;
+        float* out = y + index_of(i) * dim + d;
+        for (int v = 0; v < vectors; ++v) {
+          Vec sum = Load(sums + v * kWidth) + Load(sums + (vectors + v) * kWidth);
+          if (v + 1 < vectors) Store(out + v * kWidth, sum);
+          else Store(out + v * kWidth, sum, tail);
+        }
+      }
     }
   }
 };
@@ -507,14 +678,15 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
               slots.typed_data(), visible.typed_data(),
               qd[0], qd[1], qd[2], qd[3], cd[2], qd[4], scale, cap};
   float* y = out->typed_data();
-  int64_t queries = qd[0] * qd[1] * qd[2] * qd[3];
-  int64_t per_chunk = std::max<int64_t>(1, queries / (4 * Workers(pool)));
-  ParallelFor(pool, (queries + per_chunk - 1) / per_chunk, [=](int64_t c) {
-    thread_local std::vector<float> weight;
-    thread_local std::vector<const float*> value;
-    int64_t end = std::min(queries, (c + 1) * per_chunk);
-    for (int64_t i = c * per_chunk; i < end; ++i)
-      a.Query(i, weight, value, y + i * a.dim);
+  // Work items: the queries of one kv head of one row, split into pieces
+  // when there are too few heads to keep every worker busy.
+  int64_t heads = a.batch * a.kv_heads, per_head = a.tokens * a.group;
+  int64_t pieces = std::min(per_head, (2 * Workers(pool) + heads - 1) / heads);
+  ParallelFor(pool, heads * pieces, [=](int64_t c) {
+    thread_local Scratch scratch;
+    int64_t head = c / pieces, piece = c % pieces;
+    a.Group(head / a.kv_heads, head % a.kv_heads, per_head * piece / pieces,
+            per_head * (piece + 1) / pieces, scratch, y);
   });
   return ffi::Error::Success();
 }

@@ -54,6 +54,8 @@ _ROTATE_TARGET = "spec_jax_rotate"
 _ATTEND_TARGET = "spec_jax_attend"
 # -w: XLA's FFI headers warn under gcc; a failed build logs its errors.
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+# glibc's vector math library, for the attention's exp.
+_LIBS = ("-lmvec",)
 _log = logging.getLogger(__name__)
 # Set by `disabled()`.
 _disabled = False
@@ -77,7 +79,7 @@ def _compile(compiler: str, path: pathlib.Path):
   with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
     built = pathlib.Path(scratch) / path.name
     subprocess.run([compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}",
-                    str(_SOURCE), "-o", str(built)],
+                    str(_SOURCE), *_LIBS, "-o", str(built)],
                    check=True, capture_output=True, text=True)
     os.replace(built, path)
 
@@ -97,7 +99,7 @@ def _library() -> ctypes.CDLL | None:
                  "small-row CPU kernel is not built and XLA's dot runs.")
     return None
   key = hashlib.sha256("\0".join(
-      (_SOURCE.read_text(), jaxlib.__version__, compiler, *_FLAGS,
+      (_SOURCE.read_text(), jaxlib.__version__, compiler, *_FLAGS, *_LIBS,
        _cpu_signature())).encode()).hexdigest()[:16]
   cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME",
                                       pathlib.Path.home() / ".cache"))
