@@ -106,12 +106,15 @@ def test_greedy_drafts_equal_the_reference(tmp_path, targets, name):
   np.testing.assert_array_equal(np.isfinite(logits), in_vocab)
   np.testing.assert_allclose(logits[in_vocab], expected_logits[in_vocab],
                              atol=1e-4, rtol=0)
-  # The rows of a batch do not affect each other.
+  # The rows of a batch do not affect each other. Alone, a row's passes
+  # are small enough for the CPU kernels and together they are not, so the
+  # sums run in other orders: equal to float32 rounding, where a leak
+  # between rows would be of the logits' size.
   for row in range(len(tokens)):
     alone = eagle.greedy_drafts(target, drafter,
                                 jnp.asarray(tokens[row:row + 1]), STEPS)
     np.testing.assert_array_equal(alone[0][0], drafts[row])
-    np.testing.assert_allclose(alone[1][0], logits[row], atol=1e-5)
+    np.testing.assert_allclose(alone[1][0], logits[row], atol=1e-4)
 
 
 @pytest.mark.parametrize("name,wrong", [
