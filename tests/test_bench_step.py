@@ -1,5 +1,6 @@
-"""The step benchmark's named shapes: published models' shapes with random
-weights, timed as a real checkpoint's are."""
+"""The step benchmark: its verify timers run the width they name, and its
+named shapes (published models' shapes with random weights) are timed as a
+real checkpoint's are."""
 
 import dataclasses
 import math
@@ -8,9 +9,13 @@ import jax
 import ml_collections
 import pytest
 
+import jax.numpy as jnp
+import numpy as np
+
 from configs import bench_step as bench_step_config
-from experiments.harness import bench_step
-from spec_jax import model
+from experiments.harness import bench_step, loading, timing
+from experiments.harness import config as config_lib
+from spec_jax import decoding, model
 from spec_jax.io import gguf, hf
 
 # The parameter counts each model's own card publishes.
@@ -18,6 +23,36 @@ PUBLISHED_PARAMETERS = {"smollm2_135m": 134_515_008,
                         "llama3_1b": 1_235_814_400,
                         "llama3_8b": 8_030_261_248,
                         "gemma3_1b": 999_885_952}
+
+
+def test_the_verify_timer_runs_the_full_width_whatever_token_comes_back():
+  """The timing loop feeds each verify's first output token back as the
+  first draft. With prompt lookup's several verify widths, a proposal that
+  stops proposing that token would time the one-token width; a one-hot q of
+  the first drafts (the control) does."""
+  config = bench_step_config.get_config("runlocal")
+  config.update(config.models.builtin.to_dict())
+  target = loading.load_models(config).target.model
+  drafter = loading.make_drafter(config, target)
+  gamma = 4
+  decode_config = config_lib.decode_config(config, 0.0, gamma=gamma)
+  widths = decoding.loop_verify_widths(drafter, decode_config)
+  assert len(widths) > 1
+  tokens, lengths, _, cache, _ = timing._context(target, 1, 32)  # pylint: disable=protected-access
+  proposal = bench_step.full_width_proposal(tokens[:, :gamma],
+                                            target.vocab_size, cache)
+  control = proposal.replace(
+      probs=jax.nn.one_hot(proposal.tokens, target.vocab_size))
+
+  def widths_run(proposal):
+    return [int(decoding.verify_and_resample(
+        jax.random.key(0), target, drafter,
+        proposal.replace(tokens=proposal.tokens.at[:, 0].set(first)), tokens,
+        lengths, jnp.ones((1,), bool), decode_config).width)
+            for first in range(8)]
+
+  assert widths_run(proposal) == [len(widths) - 1] * 8
+  assert np.min(widths_run(control)) == 0
 
 
 @pytest.mark.parametrize("shape", bench_step.NAMED_SHAPES)

@@ -181,6 +181,17 @@ def matmul_crossover(params, rows, rounds: int) -> dict:
           for m in rows}
 
 
+def full_width_proposal(draft_tokens, vocab_size: int, cache) -> Proposal:
+  """Every row proposing all of draft_tokens [B, gamma]: the full-width
+  pass, whatever token the timing loop feeds back as the first draft. Uniform
+  q proposes every token; a one-hot q of the first drafts would leave the
+  fed-back token unproposed, and a drafter with several verify widths would
+  then time the one-token width. A chain's verify never reads the drafter's
+  state."""
+  probs = jnp.full(draft_tokens.shape + (vocab_size,), 1.0 / vocab_size)
+  return Proposal(draft_tokens, probs, state=None, target_cache=cache)
+
+
 def _timers(config: ml_collections.ConfigDict, target, drafter,
             batch_size: int, gammas, max_len: int) -> dict:
   """{name: fn(num_steps)}: the step, each gamma's verify (as the decode
@@ -192,12 +203,8 @@ def _timers(config: ml_collections.ConfigDict, target, drafter,
   steps = {"step": lambda n: timing._decode_steps(  # pylint: disable=protected-access
       target, cache, tokens[:, 0], key, n, sampling)}
   for gamma in gammas:
-    draft_tokens = tokens[:, :gamma]
-    # Every row proposes all gamma drafts: the full-width pass. A chain's
-    # verify never reads the drafter's state.
-    proposal = Proposal(draft_tokens,
-                        jax.nn.one_hot(draft_tokens, target.vocab_size),
-                        state=None, target_cache=cache)
+    proposal = full_width_proposal(tokens[:, :gamma], target.vocab_size,
+                                   cache)
     decode_config = config_lib.decode_config(config, 0.0, gamma=gamma)
     steps[f"verify_{gamma}"] = functools.partial(
         timing._verify_steps, target, drafter, proposal, tokens, lengths,  # pylint: disable=protected-access
