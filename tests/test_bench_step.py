@@ -6,11 +6,10 @@ import dataclasses
 import math
 
 import jax
-import ml_collections
-import pytest
-
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
+import pytest
 
 from configs import bench_step as bench_step_config
 from experiments.harness import bench_step, loading, timing
@@ -32,8 +31,8 @@ def test_the_verify_timer_runs_the_full_width_whatever_token_comes_back():
   the first drafts (the control) does."""
   config = bench_step_config.get_config("runlocal")
   config.update(config.models.builtin.to_dict())
-  target = loading.load_models(config).target.model
-  drafter = loading.make_drafter(config, target)
+  loaded = loading.load_models(config)
+  target, drafter = loaded.target.model, loaded.drafter
   gamma = 4
   decode_config = config_lib.decode_config(config, 0.0, gamma=gamma)
   widths = decoding.loop_verify_widths(drafter, decode_config)
