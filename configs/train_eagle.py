@@ -54,6 +54,9 @@ def get_config(arg="builtin"):
   # a head meant for them reads e.g. (2, 3, 5); save_eagle3 warns.
   config.feature_layers = (2, 4, 6)
   config.reduced_vocab = 0
+  # RMS-norm each feature layer before fc (SpecForge's fc_norm), for targets
+  # whose layers' features differ in scale.
+  config.fc_norm = False
   # The target's law is stored truncated to its top_k logits.
   config.top_k = 32
   config.feature_batch_size = 16  # data=corpus: sequences per target pass

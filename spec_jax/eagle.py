@@ -7,6 +7,8 @@ position t and the token the target emitted after it, as SpecForge trains
 and vLLM runs it. With h_t the head's hidden input there:
 
   h_t   = fc([f_t^low, f_t^mid, f_t^high])   from the target, [H]
+                                             (each f RMS-normed first
+                                             if fc_norm)
         = a_{t-1}                            a draft step: the head's own
                                              pre-norm output at t - 1
   r     = h_t                   (hidden_norm(h_t) if norm_before_residual)
@@ -14,6 +16,7 @@ and vLLM runs it. With h_t the head's hidden input there:
   a     = r + o_proj(attention(q, k, v of x; the head's causal KV cache))
   a_t   = a + down(silu(gate(n)) * up(n)),  n = post_attention_layernorm(a)
   q_t+2 = softmax(lm_head(norm(a_t)))   over the draft vocabulary
+                                      (lm_head(a_t) if not norm_output)
 
 Attention uses the head's own rotary settings (theta 10,000 when its config
 has none), not the target's. The draft vocabulary (K tokens, `vocab_ids`
@@ -78,6 +81,10 @@ class EagleConfig:
   target_hidden_size: the target's d_model (fc reads
     len(feature_layers) * target_hidden_size).
   norm_before_residual: the residual is hidden_norm(h) (speculators').
+  fc_norm: each feature layer's features are RMS-normed before fc
+    (SpecForge's option, for targets whose features differ in scale from
+    layer to layer).
+  norm_output: lm_head reads norm(a); False reads a itself (SpecForge's).
   own_embedding: the head has embed_tokens; else it reads the target's.
   """
 
@@ -94,6 +101,8 @@ class EagleConfig:
   rope_theta: float = 10_000.0
   rope_scaling: RopeScaling | None = None
   norm_before_residual: bool = False
+  fc_norm: bool = False
+  norm_output: bool = True
   own_embedding: bool = False
   dtype: str = "float32"
 
@@ -134,7 +143,8 @@ class EagleConfig:
   @classmethod
   def for_target(cls, target: TransformerConfig,
                  feature_layers: tuple[int, ...] | None = None,
-                 draft_vocab_size: int | None = None) -> "EagleConfig":
+                 draft_vocab_size: int | None = None,
+                 fc_norm: bool = False) -> "EagleConfig":
     """A head of the target's width, heads and MLP size (SpecForge's
     default for a new head)."""
     if feature_layers is None:
@@ -144,7 +154,8 @@ class EagleConfig:
                head_dim=target.head_dim, vocab_size=target.vocab_size,
                draft_vocab_size=draft_vocab_size or target.vocab_size,
                target_hidden_size=target.d_model,
-               feature_layers=tuple(feature_layers), dtype=target.dtype)
+               feature_layers=tuple(feature_layers), fc_norm=fc_norm,
+               dtype=target.dtype)
 
 
 class EagleHead(nn.Module):
@@ -160,6 +171,8 @@ class EagleHead(nn.Module):
     rms = lambda: nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=c.dtype,
                              param_dtype=c.dtype)
     linear = lambda features: Linear(features, c.dtype, use_bias=False)
+    if c.fc_norm:
+      self.fc_norm = [rms() for _ in c.feature_layers]
     self.fc = linear(c.hidden_size)
     if c.own_embedding:
       self.embed_tokens = Embed(c.vocab_size, c.hidden_size, c.dtype)
@@ -174,8 +187,10 @@ class EagleHead(nn.Module):
 
   def fuse(self, features: tuple[jax.Array, ...]) -> jax.Array:
     """[B, T, H] hidden inputs from the feature layers' [B, T, H_t] each."""
-    return self.fc(jnp.concatenate(features, axis=-1).astype(
-        self.config.dtype))
+    features = [f.astype(self.config.dtype) for f in features]
+    if self.config.fc_norm:
+      features = [norm(f) for norm, f in zip(self.fc_norm, features)]
+    return self.fc(jnp.concatenate(features, axis=-1))
 
   def embed(self, tokens: jax.Array, target_table: jax.Array) -> jax.Array:
     """[B, T, H] rows of tokens [B, T]: the head's table, or the target's."""
@@ -188,7 +203,8 @@ class EagleHead(nn.Module):
     """embedded, hidden [B, T, H] (the pair's token and hidden input);
     positions and slots [B, T]; visible [B, T, S]; keys and values of the
     head's cache [B, K, S, Dh]. Returns the pre-norm output a [B, T, H],
-    norm(a), and the keys and values with these slots written."""
+    what lm_head reads (norm(a), or a without norm_output), and the keys
+    and values with these slots written."""
     c, attention = self.config, self.config.attention
     normed_hidden = self.hidden_norm(hidden)
     residual = normed_hidden if c.norm_before_residual else hidden
@@ -203,7 +219,7 @@ class EagleHead(nn.Module):
                                        visible, written=True))
     gate, up = jnp.split(self.mlp_in(self.post_attention_layernorm(a)), 2, -1)
     a = a + self.down_proj(nn.silu(gate) * up)
-    return a, self.norm(a), keys, values
+    return a, self.norm(a) if c.norm_output else a, keys, values
 
   def draft_logits(self, normed: jax.Array) -> jax.Array:
     """[..., K] float32 logits over the draft vocabulary."""

@@ -41,7 +41,9 @@ def settings(config: dict) -> dict:
       head_dim=layer.get("head_dim") or layer["hidden_size"] // heads,
       theta=layer.get("rope_theta", 10000.0), eps=layer["rms_norm_eps"],
       norm_before_residual=config.get(
-          "norm_before_residual", "transformer_layer_config" in config))
+          "norm_before_residual", "transformer_layer_config" in config),
+      fc_norm=config.get("fc_norm", False),
+      norm_output=config.get("norm_output", True))
 
 
 def feature_layers(config: dict, num_layers: int) -> list[int]:
@@ -84,8 +86,8 @@ def layer(w: dict, s: dict, hidden, tokens, table):
   gate = n @ w[p + "mlp.gate_proj.weight"].T
   up = n @ w[p + "mlp.up_proj.weight"].T
   a = a + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
-  logits = rms_norm(a, w["norm.weight"], s["eps"]) @ w["lm_head.weight"].T
-  return a, logits
+  out = rms_norm(a, w["norm.weight"], s["eps"]) if s["norm_output"] else a
+  return a, out @ w["lm_head.weight"].T
 
 
 def greedy_drafts(tensors: dict, config: dict, features, tokens,
@@ -100,6 +102,12 @@ def greedy_drafts(tensors: dict, config: dict, features, tokens,
   table = w.get("embed_tokens.weight", target_table)
   vocab = table.shape[0]
   draft_ids = np.asarray(tensors["d2t"]) + np.arange(len(tensors["d2t"]))
+  if s["fc_norm"]:  # an RMSNorm per feature layer's chunk
+    chunks = np.split(features, len(features[0]) // len(w["fc_norm.0.weight"]),
+                      -1)
+    features = np.concatenate(
+        [rms_norm(chunk, w[f"fc_norm.{i}.weight"], s["eps"])
+         for i, chunk in enumerate(chunks)], -1)
   hidden = list(features @ w["fc.weight"].T)
   pair_tokens = list(tokens[1:])  # pair t is (f_t, x_{t+1})
   drafts, all_logits = [], []
@@ -118,7 +126,7 @@ def random_head(rng, *, hidden_size, target_hidden_size, vocab, draft_vocab,
                 heads, kv_heads, intermediate, num_features=3,
                 head_dim=None, rope_theta=None, embed_tokens=False,
                 speculators=False, norm_before_residual=None,
-                aux_layers=None, eps=1e-6):
+                fc_norm=False, norm_output=None, aux_layers=None, eps=1e-6):
   """(config.json dict, {name: float32 array}) of a random head in the
   published names and shapes; weights scaled so that the draft's logits
   are spread (argmax margins far above float32 rounding)."""
@@ -142,6 +150,12 @@ def random_head(rng, *, hidden_size, target_hidden_size, vocab, draft_vocab,
       "norm.weight": norm(),
       "lm_head.weight": normal(draft_vocab, hidden_size, scale=4.0),
   }
+  if fc_norm:
+    for i in range(num_features):
+      # Scales far from 1, so that a missing norm shows.
+      tensors[f"fc_norm.{i}.weight"] = (
+          (1 + i) * (1 + 0.1 * rng.normal(size=target_hidden_size))
+      ).astype(np.float32)
   if embed_tokens:
     tensors["embed_tokens.weight"] = normal(vocab, hidden_size, scale=8.0)
   draft_ids = np.sort(rng.choice(vocab, draft_vocab, replace=False))
@@ -171,6 +185,10 @@ def random_head(rng, *, hidden_size, target_hidden_size, vocab, draft_vocab,
       config["target_hidden_size"] = target_hidden_size
   if norm_before_residual is not None:
     config["norm_before_residual"] = norm_before_residual
+  if fc_norm:
+    config["fc_norm"] = True
+  if norm_output is not None:
+    config["norm_output"] = norm_output
   if aux_layers is not None:
     config["eagle_aux_hidden_state_layer_ids"] = list(aux_layers)
   return config, tensors

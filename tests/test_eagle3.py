@@ -12,7 +12,10 @@ description; the heads are random, in the published names and shapes:
                grouped-query attention, a head wider than the target
                (target_hidden_size) and named feature layers;
   speculators  the nested layout, `layers.0.*` names, norm_before_residual
-               and the whole vocabulary as its draft vocabulary.
+               and the whole vocabulary as its draft vocabulary;
+  fc_norm      SpecForge's fc_norm (an RMSNorm per feature layer before fc)
+               and norm_output false (lm_head reads the layer's output
+               without the final norm, whose weight the file still holds).
 """
 
 import builtins
@@ -50,12 +53,15 @@ VARIANTS = {
     "full": dict(target="gpt2", hidden_size=48, target_hidden_size=32,
                  vocab=16, draft_vocab=12, heads=4, kv_heads=2,
                  intermediate=80, head_dim=16, rope_theta=1e6,
-                 embed_tokens=True, aux_layers=(0, 1, 2)),
+                 embed_tokens=True, aux_layers=(0, 1, 2), norm_output=True),
     "speculators": dict(target="gpt2", hidden_size=32,
                         target_hidden_size=32, vocab=16, draft_vocab=16,
                         heads=2, kv_heads=1, intermediate=64,
                         speculators=True, norm_before_residual=True,
                         aux_layers=(1, 0, 2)),
+    "fc_norm": dict(target="gpt2", hidden_size=32, target_hidden_size=32,
+                    vocab=16, draft_vocab=12, heads=4, kv_heads=2,
+                    intermediate=64, fc_norm=True, norm_output=False),
 }
 
 
@@ -121,6 +127,8 @@ def test_greedy_drafts_equal_the_reference(tmp_path, targets, name):
     ("minimal", {"theta": 1e6}),  # the target's rotary base, not the head's
     ("full", {"norm_before_residual": True}),
     ("speculators", {"norm_before_residual": False}),
+    ("fc_norm", {"fc_norm": False}),
+    ("fc_norm", {"norm_output": True}),
 ])
 def test_the_parity_check_rejects_a_wrong_layer(tmp_path, targets, name,
                                                 wrong):
@@ -153,11 +161,18 @@ def test_settings_are_read_as_published(tmp_path, targets):
   assert spec.config.norm_before_residual and spec.vocab_ids is None
   # Listed (1, 0, 2): fused in block order, as the engines capture them.
   assert spec.config.feature_layers == (1, 2, 3)
+  assert full.norm_output and not full.fc_norm
+  normed = sj.load_eagle3(make_head(tmp_path, "fc_norm")[0],
+                          targets["gpt2"])
+  assert normed.config.fc_norm and not normed.config.norm_output
+  # The unread norm.weight is dropped, not loaded.
+  assert "norm" not in normed.params
 
 
-def test_save_then_load_gives_identical_drafts(tmp_path, targets):
+@pytest.mark.parametrize("name", ["full", "fc_norm"])
+def test_save_then_load_gives_identical_drafts(tmp_path, targets, name):
   target = targets["gpt2"]
-  loaded = sj.load_eagle3(make_head(tmp_path, "full")[0], target)
+  loaded = sj.load_eagle3(make_head(tmp_path, name)[0], target)
   sj.save_eagle3(loaded, tmp_path / "saved", dtype="float32",
                  metadata={"note": "round trip"})
   again = sj.load_eagle3(tmp_path / "saved", target)
@@ -177,12 +192,17 @@ def test_save_then_load_gives_identical_drafts(tmp_path, targets):
                                           "model.safetensors"))
   assert first["d2t"].dtype == np.int64 and first["t2d"].dtype == bool
   assert first["midlayer.self_attn.q_proj.weight"].dtype.name == "bfloat16"
-  assert set(first) == set(safetensors.numpy.load_file(
-      str(tmp_path / "full" / "model.safetensors")))
+  published = set(safetensors.numpy.load_file(
+      str(tmp_path / name / "model.safetensors")))
+  # All the published tensors but one lm_head does not read.
+  assert set(first) == published - (
+      set() if loaded.config.norm_output else {"norm.weight"})
   config = json.loads((tmp_path / "bf16" / "config.json").read_text())
   assert config["architectures"] == ["LlamaForCausalLMEagle3"]
   assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
-      0, 1, 2]
+      i - 1 for i in loaded.config.feature_layers]
+  assert config.get("fc_norm", False) == loaded.config.fc_norm
+  assert config.get("norm_output", True) == loaded.config.norm_output
   sj.save_eagle3(sj.load_eagle3(tmp_path / "bf16", target), tmp_path / "bf16b")
   second = safetensors.numpy.load_file(str(tmp_path / "bf16b" /
                                            "model.safetensors"))
@@ -284,6 +304,8 @@ def test_bad_heads_are_refused_with_the_file_and_tensor(tmp_path, targets,
   bad(change_tensors=lambda t: t.pop("t2d"), match="no 't2d'")
   bad(change_config=lambda c: c.update(norm_before_fc=True),
       match="norm_before_fc=true is a variant")
+  bad(change_config=lambda c: c.update(fc_norm=True),
+      match="model.safetensors has no tensor 'fc_norm.0.weight'")
   bad(change_tensors=lambda t: t.update(
       {"midlayer.self_attn.q_norm.weight": np.ones(16, np.float32)}),
       match="no place for: midlayer.self_attn.q_norm.weight")

@@ -128,7 +128,7 @@ class _Curve:
 def _head_config(config, target) -> eagle.EagleConfig:
   return eagle.EagleConfig.for_target(
       target.config, tuple(config.feature_layers) or None,
-      config.reduced_vocab or None)
+      config.reduced_vocab or None, config.fc_norm)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,8 @@
   SpecForge and the EAGLE authors': config.json (LlamaForCausalLMEagle3, the
     layer's settings at the top level) and model.safetensors, or
     pytorch_model.bin (a torch pickle: older heads); tensors `fc.*`,
-    `midlayer.*`, `norm.*`, `lm_head.*`, `d2t`, `t2d`, maybe `embed_tokens.*`.
+    `midlayer.*`, `norm.*`, `lm_head.*`, `d2t`, `t2d`, maybe `embed_tokens.*`;
+    with fc_norm true, `fc_norm.{i}.*` too (one RMSNorm per feature layer).
   speculators (Eagle3Speculator): the layer's settings nested in
     transformer_layer_config, tensors `layers.0.*` instead of `midlayer.*`,
     and norm_before_residual true unless the config says otherwise.
@@ -33,7 +34,7 @@ _log = logging.getLogger(__name__)
 _HARMLESS_FLAGS = {"use_cache", "tie_word_embeddings", "embed_requires_grad",
                    "return_dict", "_attn_implementation_autoset"}
 # Variant flags this module implements, each of which config.json may hold.
-_VARIANTS = {"norm_before_residual"}
+_VARIANTS = {"norm_before_residual", "fc_norm", "norm_output"}
 
 
 def _layer_names(prefix: str, config: EagleConfig) -> dict[str, tuple]:
@@ -67,6 +68,12 @@ def _layer_names(prefix: str, config: EagleConfig) -> dict[str, tuple]:
   }
   for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
     names[f"{prefix}{norm}.weight"] = ((norm, "scale"), None, (h,))
+  if c.fc_norm:
+    for i in range(len(c.feature_layers)):
+      names[f"fc_norm.{i}.weight"] = ((f"fc_norm_{i}", "scale"), None,
+                                      (c.target_hidden_size,))
+  if not c.norm_output:
+    del names["norm.weight"]
   if c.own_embedding:
     names["embed_tokens.weight"] = (("embed_tokens", "embedding"), None,
                                     (c.vocab_size, h))
@@ -134,6 +141,8 @@ def _config(hf: dict, where: str, target: Model,
         rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
         rope_theta=theta, rope_scaling=scaling,
         norm_before_residual=norm_before_residual,
+        fc_norm=bool(hf.get("fc_norm", False)),
+        norm_output=bool(hf.get("norm_output", True)),
         own_embedding="embed_tokens.weight" in tensors)
   except KeyError as error:
     raise ValueError(f"{where} has no usable {error.args[0]!r}.") from None
@@ -205,7 +214,10 @@ def _vocab_ids(tensors: dict, config: EagleConfig, where) -> np.ndarray | None:
 
 def _params(tensors: dict, config: EagleConfig, prefix: str, where) -> dict:
   names = _layer_names(prefix, config)
-  unknown = sorted(tensors.keys() - names.keys() - {"d2t", "t2d"})
+  # SpecForge writes norm.weight whether or not lm_head reads it.
+  unused = {"d2t", "t2d"} | ({"norm.weight"} if not config.norm_output
+                             else set())
+  unknown = sorted(tensors.keys() - names.keys() - unused)
   if unknown:
     raise ValueError(
         f"{where} holds tensors the published EAGLE-3 layer has no place "
@@ -297,6 +309,10 @@ def config_json(config: EagleConfig, dtype: str = "bfloat16") -> dict:
   }
   if config.norm_before_residual:
     hf["norm_before_residual"] = True
+  if config.fc_norm:
+    hf["fc_norm"] = True
+  if not config.norm_output:
+    hf["norm_output"] = False
   scaling = config.rope_scaling
   if scaling is not None and scaling.kind == "linear":
     hf["rope_scaling"] = {"rope_type": "linear", "factor": scaling.factor}
