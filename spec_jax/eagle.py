@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from spec_jax.draft_tree import TreeTemplate, draw_tree
 from spec_jax.drafting import DraftLoop, Proposal, check_vocabulary
 from spec_jax.kv_cache import KVCache, init_cache, write
-from spec_jax.model import (Embed, Linear, Model, RopeScaling,
+from spec_jax.model import (Embed, Linear, Model, RMSNorm, RopeScaling,
                             TransformerConfig, _attend, _split_qkv,
                             apply_rope, rope_frequencies, visible_slots)
 from spec_jax.sampling import Sampling
@@ -168,8 +168,7 @@ class EagleHead(nn.Module):
 
   def setup(self):
     c = self.config
-    rms = lambda: nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=c.dtype,
-                             param_dtype=c.dtype)
+    rms = lambda: RMSNorm(c.rms_norm_eps, c.dtype)
     linear = lambda features: Linear(features, c.dtype, use_bias=False)
     if c.fc_norm:
       self.fc_norm = [rms() for _ in c.feature_layers]

@@ -339,33 +339,73 @@ def apply_rope(x: jax.Array, positions: jax.Array,
   return cpu_matmul.rotate_by_xla(x, cos, sin).astype(x.dtype)
 
 
-class GemmaRMSNorm(nn.Module):
-  """x / rms(x) * (1 + w), in float32 then cast back, as Gemma's RMSNorm.
+def row_mean(x: jax.Array) -> jax.Array:
+  """[B, T, ..., 1] float32: the mean of x [B, T, ..., D] over its last axis.
 
-  The scale is stored as w (initialised to 0), Hugging Face's layout.
+  Where the small-row kernel serves the pass (`cpu_matmul.serves` of its
+  B x T tokens), the sum runs in the kernel, as x times a row of ones, in an
+  order that depends on neither the number of rows nor the others. XLA's
+  reduction does not: a norm over [9, 576] differs from nine over [1, 576]
+  in the last bit of about 30% of its outputs, and with bfloat16 weights,
+  whose products round the normed input to 8 bits, that made a verify's
+  logits differ from the steps' on SmolLM2 (greedy SD != AR).
   """
+  x = x.astype(jnp.float32)
+  if cpu_matmul.serves(math.prod(x.shape[:2])):
+    rows = x.reshape(-1, x.shape[-1])
+    ones = jnp.ones((1, x.shape[-1]), jnp.float32)
+    total = cpu_matmul.small_row_matmul(rows, ones)  # [M, 1]
+    return (total / x.shape[-1]).reshape(x.shape[:-1] + (1,))
+  return jnp.mean(x, -1, keepdims=True)
+
+
+class RMSNorm(nn.Module):
+  """x / rms(x) * w, Llama's (flax's `nn.RMSNorm`, with `row_mean`).
+
+  gemma: Gemma's, x / rms(x) * (1 + w), in float32 then cast back; its
+  scale is stored as w (initialised to 0), Hugging Face's layout.
+  """
+
+  epsilon: float
+  dtype: str
+  gemma: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    init = nn.initializers.zeros if self.gemma else nn.initializers.ones
+    scale = self.param("scale", init, (x.shape[-1],), self.dtype)
+    x32 = x.astype(jnp.float32)
+    inverse = jax.lax.rsqrt(row_mean(jnp.square(x32)) + self.epsilon)
+    if self.gemma:
+      return (x32 * inverse * (1.0 + scale.astype(jnp.float32))).astype(
+          x.dtype)
+    return (x32 * (inverse * scale.astype(jnp.float32))).astype(self.dtype)
+
+
+class LayerNorm(nn.Module):
+  """(x - mean) / std * w + b, GPT-2's (flax's `nn.LayerNorm`, with
+  `row_mean` for the mean and the variance)."""
 
   epsilon: float
   dtype: str
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param("scale", nn.initializers.zeros, (x.shape[-1],),
+    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],),
                        self.dtype)
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(
-        jnp.mean(jnp.square(x32), -1, keepdims=True) + self.epsilon)
-    return (normed * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+    bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],),
+                      self.dtype)
+    centred = x.astype(jnp.float32) - row_mean(x)
+    inverse = jax.lax.rsqrt(row_mean(jnp.square(centred)) + self.epsilon)
+    return (centred * (inverse * scale.astype(jnp.float32))
+            + bias.astype(jnp.float32)).astype(self.dtype)
 
 
 def _norm(config: TransformerConfig, name: str) -> nn.Module:
-  if config.norm == "gemma_rms":
-    return GemmaRMSNorm(config.norm_eps, config.dtype, name=name)
-  if config.norm == "rms":
-    return nn.RMSNorm(epsilon=config.norm_eps, dtype=config.dtype,
-                      param_dtype=config.dtype, name=name)
-  return nn.LayerNorm(epsilon=config.norm_eps, dtype=config.dtype,
-                      param_dtype=config.dtype, name=name)
+  if config.norm == "layer":
+    return LayerNorm(config.norm_eps, config.dtype, name=name)
+  return RMSNorm(config.norm_eps, config.dtype,
+                 gemma=config.norm == "gemma_rms", name=name)
 
 
 class Block(nn.Module):
