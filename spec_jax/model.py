@@ -383,8 +383,9 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-  """(x - mean) / std * w + b, GPT-2's (flax's `nn.LayerNorm`, with
-  `row_mean` for the mean and the variance)."""
+  """(x - mean) / std * w + b, GPT-2's: the mean, then the variance as the
+  mean of (x - mean)^2 (flax's `nn.LayerNorm` takes E[x^2] - mean^2), both
+  by `row_mean`."""
 
   epsilon: float
   dtype: str

@@ -13,9 +13,10 @@ description; the heads are random, in the published names and shapes:
                (target_hidden_size) and named feature layers;
   speculators  the nested layout, `layers.0.*` names, norm_before_residual
                and the whole vocabulary as its draft vocabulary;
-  fc_norm      SpecForge's fc_norm (an RMSNorm per feature layer before fc)
-               and norm_output false (lm_head reads the layer's output
-               without the final norm, whose weight the file still holds).
+  fc_norm      SpecForge's fc_norm (an RMSNorm per feature layer before fc,
+               of the target's width, narrower than the head's) and
+               norm_output false (lm_head reads the layer's output without
+               the final norm, whose weight the file still holds).
 """
 
 import builtins
@@ -59,9 +60,10 @@ VARIANTS = {
                         heads=2, kv_heads=1, intermediate=64,
                         speculators=True, norm_before_residual=True,
                         aux_layers=(1, 0, 2)),
-    "fc_norm": dict(target="gpt2", hidden_size=32, target_hidden_size=32,
+    "fc_norm": dict(target="gpt2", hidden_size=48, target_hidden_size=32,
                     vocab=16, draft_vocab=12, heads=4, kv_heads=2,
-                    intermediate=64, fc_norm=True, norm_output=False),
+                    intermediate=64, embed_tokens=True, fc_norm=True,
+                    norm_output=False),
 }
 
 
@@ -192,11 +194,8 @@ def test_save_then_load_gives_identical_drafts(tmp_path, targets, name):
                                           "model.safetensors"))
   assert first["d2t"].dtype == np.int64 and first["t2d"].dtype == bool
   assert first["midlayer.self_attn.q_proj.weight"].dtype.name == "bfloat16"
-  published = set(safetensors.numpy.load_file(
+  assert set(first) == set(safetensors.numpy.load_file(
       str(tmp_path / name / "model.safetensors")))
-  # All the published tensors but one lm_head does not read.
-  assert set(first) == published - (
-      set() if loaded.config.norm_output else {"norm.weight"})
   config = json.loads((tmp_path / "bf16" / "config.json").read_text())
   assert config["architectures"] == ["LlamaForCausalLMEagle3"]
   assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [

@@ -370,6 +370,9 @@ def save_eagle3(drafter: EagleDrafter, path, dtype: str = "bfloat16",
     if path_in[0] == "lm_head":
       value = value[order]
     tensors[name] = np.ascontiguousarray(value).astype(storage)
+  if not config.norm_output:
+    # Unread, but SpecForge's head always has it, and loads strictly.
+    tensors["norm.weight"] = np.ones(config.hidden_size, storage)
   tensors["d2t"] = (vocab_ids - np.arange(len(vocab_ids))).astype(np.int64)
   t2d = np.zeros(config.vocab_size, bool)
   t2d[vocab_ids] = True
