@@ -327,10 +327,7 @@ def _speculative_step(state: DecodeState, target: Model, drafter: Drafter,
   # The draft limit counted: gamma (a tree's depth) unless a policy chose.
   max_drafts, limit = None, drafter.cycle_shape(config.gamma)[1]
   if config.adaptive is not None:
-    decoded = None if state.queue is None else state.queue.stats
-    max_drafts = limit = draft_length.choose(
-        config.adaptive, state.stats, decoded, active, costs,
-        loop_verify_widths(drafter, config), config.gamma)
+    max_drafts = limit = _choose(state, drafter, config, costs)
   cycle = speculative_cycle(propose_key, resample_key, target, drafter,
                             state.draft_state, state.target_cache,
                             state.tokens, state.lengths, active, config,
@@ -342,6 +339,33 @@ def _speculative_step(state: DecodeState, target: Model, drafter: Drafter,
                        target_cache=target_cache, draft_state=draft_state,
                        key=key, stats=_count(state.stats, cycle, active,
                                              limit))
+
+
+def _choose(state: DecodeState, drafter: Drafter, config: DecodeConfig,
+            costs: CycleCosts) -> jax.Array:
+  """The draft-length policy's K for the next cycle, [] int32."""
+  decoded = None if state.queue is None else state.queue.stats
+  return draft_length.choose(config.adaptive, state.stats, decoded,
+                             ~state.done, costs,
+                             loop_verify_widths(drafter, config),
+                             config.gamma, _runs_plain_steps(drafter, config))
+
+
+def _runs_plain_steps(drafter: Drafter | None, config: DecodeConfig) -> bool:
+  """Whether the loop runs a cycle of no drafts as a plain target step,
+  without the drafter: under a draft-length policy, for a drafter that
+  catches up on what it missed (drafting.py's `catches_up`)."""
+  return (drafter is not None and config.adaptive is not None
+          and getattr(drafter, "catches_up", False))
+
+
+def _plain_step(state: DecodeState, target: Model,
+                config: DecodeConfig) -> DecodeState:
+  """A cycle of no drafts run without the drafter: one target step, counted
+  as a cycle that verified one token. The drafter's state stays behind until
+  its next `propose` catches up (`Drafter.catches_up`)."""
+  stats = state.stats.record_plain_step(~state.done)
+  return _autoregressive_step(state, target, config).replace(stats=stats)
 
 
 def _autoregressive_step(state: DecodeState, target: Model,
@@ -429,10 +453,24 @@ def _decode(key, target, drafter, prompts, prompt_lengths, config, slots,
     step = lambda state: _speculative_step(state, target, drafter, config,
                                            costs)
 
+  def refilled(step):
+    def cycle(state):
+      state = step(state)
+      if state.queue is not None:
+        state = _next_prompts(state, target, drafter, config)
+      return state
+    return cycle
+
   def body(state):
-    state = step(state)
-    if state.queue is not None:
-      state = _next_prompts(state, target, drafter, config)
+    state = refilled(step)(state)
+    if _runs_plain_steps(drafter, config):
+      # While the policy drafts nothing, plain target steps as AR's, in a
+      # loop of their own: no draft pass, no rule, and no conditional
+      # (whose branches XLA would copy the caches for, every cycle).
+      state = jax.lax.while_loop(
+          lambda s: ~jnp.all(s.done) & (
+              _choose(s, drafter, config, costs) == 0),
+          refilled(lambda s: _plain_step(s, target, config)), state)
     return state
 
   state = jax.lax.while_loop(

@@ -10,35 +10,40 @@ the cycles that accepted draft i, and t_{b,i}, those that tried it
   E_b(K) = 1 + sum_{i=1..K} prod_{j=1..i} r_{b,j}          expected tokens
   r_{b,i} = (a_{b,i} + w m_i) / (t_{b,i} + w)              row estimate
   m_i = (sum_b' a_{b',i} + w r0) / (sum_b' t_{b',i} + w)    pooled prior
-  C(K) = max(K, 1) c + V(K)                                cost, in steps
+  C(K) = K c + V(K) for K >= 1, C(0) = 1                   cost, in steps
 
-where c is a draft pass, V(K) the verify pass of the narrowest compiled width
-that holds K drafts (`verification.verify_widths`; K = 0 is a plain target
-step, width 1), both measured at this batch size and passed in as data
-(`CycleCosts`), and r0, w the prior (`AdaptiveDraftLength`). Each row's
-estimate shrinks toward m_i, the decode's pooled rate: the counts of every
-row and of every prompt already decoded (an empirical-Bayes prior), so a
-refilled row starts at what the pair has shown, not at r0. The pool holds
-the row's own counts too, so they weigh a little more than w pseudo-counts
-would let them (at one row without a queue, m_i is the row's own rate
-shrunk toward r0). A cycle that
-drafts nothing still runs one draft pass, which feeds the context to the
-draft model so that its cache stays whole. Every row drafts K*: a cycle's
-passes have fixed shapes, so its cost is set by the longest proposal, and
-once that is K a row drafting fewer saves nothing (`theory`). Every
-explore_every-th cycle drafts gamma tokens (`AdaptiveDraftLength`).
+where c is a draft pass, V(K) the verify pass of the narrowest compiled
+width that holds K drafts (`verification.verify_widths`), both measured at
+this batch size and passed in as data (`CycleCosts`), and r0, w the prior
+(`AdaptiveDraftLength`). Each row's estimate shrinks toward m_i, the
+decode's pooled rate: the counts of every row and of every prompt already
+decoded (an empirical-Bayes prior), so a refilled row starts at what the
+pair has shown, not at r0. The pool holds the row's own counts too, so they
+weigh a little more than w pseudo-counts would let them (at one row without
+a queue, m_i is the row's own rate shrunk toward r0).
+
+A cycle that drafts nothing is a plain target step, the autoregressive
+loop's: no draft pass and no rejection step, so that where no draft pays the
+loop costs what AR does. A draft model's cache falls one token behind per
+such step and catches up in passes of 8 tokens in the next cycle that drafts
+(`drafting.propose`); C(0) leaves that out. (A drafter that cannot catch up,
+the EAGLE head, which reads the target's features of every token, runs K = 0
+as a cycle of one draft pass and a verify of width 1, with C(0) = c + V(1).)
+Every row drafts K*: a cycle's passes have fixed shapes, so its cost is set
+by the longest proposal, and once that is K a row drafting fewer saves
+nothing (`theory`). Every explore_every-th cycle drafts gamma tokens
+(`AdaptiveDraftLength`).
 
 Why the output law is the target's: K* is a function of the counts (the
-rows' and the decoded prompts') and of
-the cycle's number, which are functions of earlier cycles' tokens and
-randomness only, never of this cycle's target probabilities or uniforms.
-Given the past, cycle n is an ordinary speculative cycle with K* drafts,
-and every such cycle emits
-tokens with the target's law given the past, whatever K is (K = 0 samples
-the target directly). So the whole output has the target's law; a policy
-that looked at the current p (say, drafting more where the target is
-confident) would not. The Monte Carlo law test runs the loop with this
-policy, with costs that make it change K during the run.
+rows' and the decoded prompts') and of the cycle's number, which are
+functions of earlier cycles' tokens and randomness only, never of this
+cycle's target probabilities or uniforms. Given the past, cycle n is an
+ordinary speculative cycle with K* drafts, and every such cycle emits tokens
+with the target's law given the past, whatever K is (K = 0 samples the
+target directly, with or without the drafter). So the whole output has the
+target's law; a policy that looked at the current p (say, drafting more
+where the target is confident) would not. The Monte Carlo law test runs the
+loop with this policy, with costs that make it change K during the run.
 """
 
 import dataclasses
@@ -94,25 +99,30 @@ class CycleCosts:
     return cls(jnp.float32(draft_step), jnp.asarray(verify, jnp.float32))
 
 
-def cycle_cost(costs: CycleCosts, widths: tuple[int, ...],
-               gamma: int) -> jax.Array:
-  """C(K) for K = 0..gamma: [gamma + 1]."""
+def cycle_cost(costs: CycleCosts, widths: tuple[int, ...], gamma: int,
+               plain_step: bool) -> jax.Array:
+  """C(K) for K = 0..gamma: [gamma + 1]. plain_step: a cycle of no drafts
+  is a target step, which costs 1; otherwise a draft pass and a verify of
+  width 1."""
   # The narrowest compiled width that holds K drafts and the last token.
   width_index = [next(i for i, w in enumerate(widths) if w >= k + 1)
                  for k in range(gamma + 1)]
   drafts = jnp.maximum(jnp.arange(gamma + 1), 1)
-  return drafts * costs.draft_step + costs.verify[jnp.array(width_index)]
+  cost = drafts * costs.draft_step + costs.verify[jnp.array(width_index)]
+  return cost.at[0].set(1.0) if plain_step else cost
 
 
 def choose(policy: AdaptiveDraftLength, stats: DecodeStats,
            decoded: DecodeStats | None, active, costs: CycleCosts,
-           widths: tuple[int, ...], gamma: int) -> jax.Array:
+           widths: tuple[int, ...], gamma: int,
+           plain_step: bool = False) -> jax.Array:
   """K* for this cycle, an int32 scalar (see the module docstring).
 
   stats: the rows' counters; decoded: the counters of the prompts already
   decoded (`refill.Queue.stats`; None without a queue). A row's counters
   move there when its prompt is done and restart at 0, so no cycle is
-  pooled twice.
+  pooled twice. plain_step: the loop runs a cycle of no drafts as a plain
+  target step (`cycle_cost`).
   """
   pooled = lambda name: sum(
       getattr(s, name).sum(0) for s in (stats, decoded) if s is not None)
@@ -123,6 +133,6 @@ def choose(policy: AdaptiveDraftLength, stats: DecodeStats,
       stats.accepted_per_position, stats.tried_per_position, pooled_rate,
       policy.prior_weight)
   best = theory.goodput_optimal_draft_length(
-      conditional, active, cycle_cost(costs, widths, gamma))
+      conditional, active, cycle_cost(costs, widths, gamma, plain_step))
   explore = stats.cycles % policy.explore_every == policy.explore_every - 1
   return jnp.where(explore, gamma, best).astype(jnp.int32)

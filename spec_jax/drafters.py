@@ -18,6 +18,10 @@ from spec_jax.drafting import Proposal, check_vocabulary, propose
 from spec_jax.kv_cache import KVCache
 from spec_jax.model import Model
 
+# Tokens per pass when a draft model's cache catches up on plain target
+# steps (`drafting.propose`).
+CATCH_UP_WIDTH = 8
+
 
 @flax.struct.dataclass
 class ModelDrafter:
@@ -28,6 +32,7 @@ class ModelDrafter:
                                                   default=0.0)
 
   target_layers = ()
+  catches_up = True  # propose feeds what plain target steps emitted
 
   @property
   def proposes_fewer(self) -> bool:
@@ -59,7 +64,8 @@ class ModelDrafter:
               sampling, max_drafts=None) -> Proposal:
     draft_tokens, draft_probs, state = propose(
         self.model, state, tokens, lengths, key, gamma, sampling,
-        self.confidence_threshold, max_drafts=max_drafts)
+        self.confidence_threshold, catch_up=CATCH_UP_WIDTH,
+        max_drafts=max_drafts)
     return Proposal(draft_tokens, draft_probs, state, target_cache)
 
   def update(self, state: KVCache, cache_lengths, verified) -> KVCache:
@@ -142,6 +148,7 @@ class LayerSkipDrafter:
                                                   default=0.0)
 
   target_layers = ()
+  catches_up = True  # a plain target step writes the shared cache
 
   @property
   def proposes_fewer(self) -> bool:
@@ -239,6 +246,7 @@ class NgramDrafter:
 
   target_layers = ()
   proposes_fewer = True  # rows without a match propose nothing
+  catches_up = True  # no state: it reads the tokens as they are
 
   def validate(self, target: Model, max_len: int) -> None:
     del max_len  # no cache of its own

@@ -24,6 +24,11 @@ a new class (drafters.py has four) and the loop does not change:
                               limit for this cycle (a chain drafter's only;
                               the loop passes it under a policy alone)
   update(state, cache_lengths, verified) -> state
+  catches_up                  optional, False if absent: whether the loop
+                              may run plain target steps without the
+                              drafter (a draft-length policy's cycles of no
+                              drafts), its next `propose` catching up on
+                              the tokens they emitted
 
 Every leaf of a draft state has the batch as its leading axis, so that the
 loop can replace one row's state by a one-row prefill's (refill.py).
@@ -185,6 +190,7 @@ def propose(
     sampling: Sampling,
     confidence_threshold: float = 0.0,
     feed_previous: bool = True,
+    catch_up: int = 0,
     max_drafts: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
   """Draws up to gamma tokens autoregressively from a draft model.
@@ -205,6 +211,9 @@ def propose(
       drafts at least one token. When every row has stopped, the loop exits
       and the remaining draft steps are not run. 0 drafts gamma tokens.
     feed_previous: feed the second-to-last token too; see below.
+    catch_up: the width of the passes that feed what the cache missed
+      while the loop ran plain target steps without the draft (each left it
+      one more token behind lengths - 1); 0 when it never misses any.
     max_drafts: [] int32 in 0..gamma, traced: this cycle's draft limit (a
       draft-length policy's choice). The draft steps past it are not run and
       its positions propose nothing; 0 proposes nothing at all. None is
@@ -223,11 +232,27 @@ def propose(
   the last token only.
   """
   context = 2 if feed_previous else 1
-  # [B, context] positions of the last tokens. With a one-token sequence
-  # both are position 0: the same token written twice to the same slot.
-  positions = jnp.maximum(lengths[:, None] + jnp.arange(-context, 0), 0)
-  logits, cache = draft(jnp.take_along_axis(tokens, positions, 1), cache,
-                        positions)
+
+  def feed(cache: KVCache, first: jax.Array,
+           width: int) -> tuple[jax.Array, KVCache]:
+    """Tokens at positions first [B] .. first + width - 1 fed, clipped to
+    the sequence (a position clipped twice writes the same token to the
+    same slot again)."""
+    positions = jnp.clip(first[:, None] + jnp.arange(width), 0,
+                         lengths[:, None] - 1)
+    return draft(jnp.take_along_axis(tokens, positions, 1), cache, positions)
+
+  if catch_up:
+    # A cycle the loop ran as a plain target step left the cache one token
+    # further behind lengths - 1, where a drafting cycle leaves it. Passes
+    # of catch_up tokens from the first slot the last feed would rewrite;
+    # none in a cycle that follows a drafting one.
+    behind = lambda cache: jnp.any(cache.lengths < lengths - 1)
+    cache = jax.lax.while_loop(
+        behind,
+        lambda cache: feed(cache, cache.lengths - context + 1, catch_up)[1],
+        cache)
+  logits, cache = feed(cache, lengths - context, context)
   keys = jax.random.split(key, gamma)
 
   def draft_step(state: DraftLoop) -> DraftLoop:

@@ -84,6 +84,13 @@ class DecodeStats:
     return self.replace(width_cycles=self.width_cycles.at[index].add(1),
                         limit_cycles=self.limit_cycles.at[limit].add(1))
 
+  def record_plain_step(self, active) -> "DecodeStats":
+    """The counters after a cycle that drafted nothing and ran the target
+    alone (a draft-length policy's K = 0): a verify of the narrowest width,
+    one token per active row."""
+    return self.replace(cycles=self.cycles + 1,
+                        row_cycles=self.row_cycles + active).count_width(0, 0)
+
   def record_cycle(self, active, proposed, num_accepted, overlap,
                    point_mass) -> "DecodeStats":
     """The counters after one cycle of a chain.

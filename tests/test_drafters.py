@@ -5,6 +5,7 @@ sampling are tested in test_resample.py (enumeration) and
 test_law_monte_carlo.py (the whole loop).
 """
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -254,3 +255,72 @@ def test_draft_limit_stops_the_draft_loop_at_a_traced_length(pair4):
     np.testing.assert_array_equal(tokens[:, :limit], full_tokens[:, :limit])
     np.testing.assert_allclose(probs[:, :limit], full_probs[:, :limit])
     assert len(calls) == 1 + max(limit - 1, 0), (limit, len(calls))
+
+
+@pytest.mark.parametrize("catch_up, whole", [
+    (sj.drafters.CATCH_UP_WIDTH, True),
+    # The negative control: without catching up, the rows left behind draft
+    # from a cache with holes, and the same comparison fails.
+    (0, False)])
+def test_propose_catches_up_on_plain_steps(pair4, catch_up, whole):
+  """A draft cache left at each prompt while the rows went on by 0, 3 and
+  11 tokens and 5 (plain target steps without the drafter; 11 takes two
+  catch-up passes of 8): `propose` drafts what it drafts from a prefill of
+  the whole sequence, and leaves the cache that prefill would."""
+  _, draft = pair4
+  rng = np.random.default_rng(0)
+  behind = [0, 3, 11, 5]
+  sequences = [p + rng.integers(0, 16, n).tolist()
+               for p, n in zip(PROMPTS, behind)]
+  prompts, prompt_lengths = map(jnp.asarray, sj.pad_prompts(PROMPTS, 32))
+  tokens, lengths = map(jnp.asarray, sj.pad_prompts(sequences, 32))
+  stale = draft.prefill(prompts, prompt_lengths, 48)
+  fresh = draft.prefill(tokens, lengths, 48)
+  gamma, sampling, key = 3, sj.Sampling(temperature=1), jax.random.key(2)
+  propose = lambda cache, width: drafting.propose(
+      draft, cache, tokens, lengths, key, gamma, sampling, catch_up=width)
+  want_tokens, want_probs, want_cache = propose(fresh, 0)
+  got_tokens, got_probs, got_cache = propose(stale, catch_up)
+  caught_up = (np.array_equal(got_tokens, want_tokens)
+               and np.allclose(got_probs, want_probs, atol=1e-5))
+  assert caught_up == whole
+  if whole:
+    # Drafts 1..gamma-1 were fed after the sequence.
+    assert_prefix_equal(got_cache, want_cache, lengths + gamma - 1)
+
+
+@flax.struct.dataclass
+class _CountedDrafter(sj.ModelDrafter):
+  """A draft model that counts the cycles it drafts in."""
+
+  def propose(self, *args, **kwargs):
+    jax.debug.callback(lambda: _PROPOSALS.append(1))
+    return super().propose(*args, **kwargs)
+
+
+_PROPOSALS = []
+
+
+def test_cycles_of_no_drafts_run_without_the_drafter(pair4):
+  """Under the adaptive draft length with costs that never let a draft
+  pay, the loop runs plain target steps and calls the drafter in the first
+  cycle and every explore_every-th only; its cache catches up there, and
+  greedy output equals AR's."""
+  target, draft = pair4
+  padded, lengths = sj.pad_prompts(PROMPTS)
+  explore_every = 5
+  config = sj.DecodeConfig(
+      gamma=3, max_new_tokens=MAX_NEW, sampling=sj.Sampling(temperature=0),
+      verify_buckets=3,
+      adaptive=sj.AdaptiveDraftLength(explore_every=explore_every))
+  _PROPOSALS.clear()
+  spec = sj.generate(jax.random.key(0), target, _CountedDrafter(draft),
+                     padded, lengths, config,
+                     costs=sj.CycleCosts.of(1.0, [1.0, 50.0, 50.0]))
+  plain = sj.generate_autoregressive(jax.random.key(0), target, padded,
+                                     lengths, config)
+  np.testing.assert_array_equal(spec.tokens, plain.tokens)
+  limits = np.asarray(spec.stats.limit_cycles)
+  # The first cycle, then every explore cycle (gamma drafts).
+  assert limits[3] == int(spec.stats.cycles) // explore_every > 1, limits
+  assert len(_PROPOSALS) == 1 + limits[3], (len(_PROPOSALS), limits)

@@ -256,7 +256,8 @@ def test_refill_and_adaptive_draft_length_sample_the_target_law(
   """Half the rows of each batch decode a second prompt, prefilled into the
   row inside the loop when its first finished; with the adaptive draft
   length, whose prior (0.9) starts it at 2 drafts and whose rows' counts
-  (overlap about 0.5) bring it down during the run."""
+  (overlap about 0.5) bring it down during the run, to 0 in some cycles:
+  plain target steps, after which the draft model catches up."""
   target, draft = pair8
   sampling = sj.Sampling(temperature=1.0)
   policy, costs = {}, None
@@ -275,4 +276,4 @@ def test_refill_and_adaptive_draft_length_sample_the_target_law(
   if adaptive:
     limits = sum(np.asarray(s.limit_cycles) for s in stats)
     print("cycles by draft length:", limits)
-    assert (limits > 0).sum() >= 2, limits
+    assert (limits > 0).sum() >= 2 and limits[0] > 0, limits

@@ -62,9 +62,28 @@ def test_the_decode_loop_copies_no_cache_array(pair):
   compiled = decoding.generate_jit.lower(
       jax.random.key(0), target, drafter, prompts, lengths, config,
       2).compile().as_text()
+  assert_no_cache_copies(compiled, target.config, prompts, config)
+
+
+def test_the_adaptive_loop_copies_no_cache_array(pair):
+  """A draft model under the adaptive draft length: the loop of plain
+  target steps and the draft's catch-up passes copy neither model's cache."""
+  target, draft = pair
+  prompts, lengths = sj.pad_prompts([[1, 2, 3], [4, 5], [6]])
+  config = sj.DecodeConfig(gamma=4, max_new_tokens=8, verify_buckets=3,
+                           adaptive=sj.AdaptiveDraftLength())
+  compiled = decoding.generate_jit.lower(
+      jax.random.key(0), target, sj.ModelDrafter(draft), prompts, lengths,
+      config, 2, sj.CycleCosts.of(0.1, [1.0, 2.0, 3.0])).compile().as_text()
+  for model in target, draft:
+    assert_no_cache_copies(compiled, model.config, prompts, config)
+
+
+def assert_no_cache_copies(compiled: str, model_config, prompts,
+                           config) -> None:
   # The cache holds the prompts, the outputs and one verify pass.
   num_slots = prompts.shape[1] + config.max_new_tokens + config.gamma + 1
-  cfg = target.config
-  shape = f"f32[2,{cfg.num_kv_heads},{num_slots},{cfg.head_dim}]"
+  shape = (f"f32[2,{model_config.num_kv_heads},{num_slots},"
+           f"{model_config.head_dim}]")
   assert shape in compiled
   assert copies_in_loops(compiled, shape) == 0
