@@ -342,21 +342,22 @@ def apply_rope(x: jax.Array, positions: jax.Array,
 def row_mean(x: jax.Array) -> jax.Array:
   """[B, T, ..., 1] float32: the mean of x [B, T, ..., D] over its last axis.
 
-  Where the small-row kernel serves the pass (`cpu_matmul.serves` of its
-  B x T tokens), the sum runs in the kernel, as x times a row of ones, in an
-  order that depends on neither the number of rows nor the others. XLA's
-  reduction does not: a norm over [9, 576] differs from nine over [1, 576]
-  in the last bit of about 30% of its outputs, and with bfloat16 weights,
-  whose products round the normed input to 8 bits, that made a verify's
-  logits differ from the steps' on SmolLM2 (greedy SD != AR).
+  Summed by halving: zero-padded to a power of two, then the two halves added
+  until one column is left, so every row's sum is the same tree of additions
+  whatever the number of rows. XLA's reduction is not: a norm over [9, 576]
+  differs from nine over [1, 576] in the last bit of about 30% of its
+  outputs, and with bfloat16 weights, whose products round the normed input
+  to 8 bits, that made a verify's logits differ from the steps' on SmolLM2
+  (greedy SD != AR).
   """
-  x = x.astype(jnp.float32)
-  if cpu_matmul.serves(math.prod(x.shape[:2])):
-    rows = x.reshape(-1, x.shape[-1])
-    ones = jnp.ones((1, x.shape[-1]), jnp.float32)
-    total = cpu_matmul.small_row_matmul(rows, ones)  # [M, 1]
-    return (total / x.shape[-1]).reshape(x.shape[:-1] + (1,))
-  return jnp.mean(x, -1, keepdims=True)
+  width = x.shape[-1]
+  padding = (1 << (width - 1).bit_length()) - width
+  total = jnp.pad(x.astype(jnp.float32),
+                  [(0, 0)] * (x.ndim - 1) + [(0, padding)])
+  while total.shape[-1] > 1:
+    half = total.shape[-1] // 2
+    total = total[..., :half] + total[..., half:]
+  return total / width
 
 
 class RMSNorm(nn.Module):

@@ -326,11 +326,13 @@ def test_a_verify_gives_the_steps_logits_bit_for_bit(family, weight_dtype,
 
 
 @pytest.mark.parametrize("norm", ["rms", "gemma_rms", "layer"])
-def test_a_norm_is_bitwise_the_same_over_one_token_and_over_nine(norm):
-  """Every norm's mean runs in the kernel (`model.row_mean`), so a token's
-  normed vector is the same in a step and in a verify. Control: XLA's
-  reduction over SmolLM2's width (576) sums 9 rows in another order than
-  one, which made bfloat16 SD differ from AR on SmolLM2."""
+def test_a_norm_is_bitwise_the_same_over_one_token_and_over_nine(
+    norm, monkeypatch):
+  """Every norm's mean is a sum by halving (`model.row_mean`), so a token's
+  normed vector is the same in a step and in a verify, with the kernel on
+  or off. Control: the same norms with XLA's reduction (`jnp.mean`), which
+  over SmolLM2's width (576) sums 9 rows in another order than one, which
+  made bfloat16 SD differ from AR on SmolLM2."""
   config = sj.TransformerConfig(vocab_size=97, d_model=576, num_layers=1,
                                 num_heads=4, d_ff=128, max_len=16, norm=norm)
   module = model._norm(config, "norm")  # pylint: disable=protected-access
@@ -344,10 +346,12 @@ def test_a_norm_is_bitwise_the_same_over_one_token_and_over_nine(norm):
     return (np.asarray(apply(params, x)), np.concatenate(
         [np.asarray(apply(params, x[:, t:t + 1])) for t in range(9)], 1))
 
-  together, alone = together_and_alone()
-  np.testing.assert_array_equal(together, alone)
+  np.testing.assert_array_equal(*together_and_alone())
   with cpu_matmul.disabled():
-    together, alone = together_and_alone()
+    np.testing.assert_array_equal(*together_and_alone())
+  monkeypatch.setattr(model, "row_mean", lambda x: jnp.mean(
+      x.astype(jnp.float32), -1, keepdims=True))
+  together, alone = together_and_alone()
   np.testing.assert_allclose(together, alone, atol=1e-5)
   assert not np.array_equal(together, alone)
 
