@@ -31,8 +31,9 @@ the EAGLE head, which reads the target's features of every token, runs K = 0
 as a cycle of one draft pass and a verify of width 1, with C(0) = c + V(1).)
 Every row drafts K*: a cycle's passes have fixed shapes, so its cost is set
 by the longest proposal, and once that is K a row drafting fewer saves
-nothing (`theory`). Every explore_every-th cycle drafts gamma tokens
-(`AdaptiveDraftLength`).
+nothing (`theory`). Every explore_every-th cycle drafts gamma tokens,
+or every 2^k explore_every-th where that loses more than a budget of the
+time (`AdaptiveDraftLength`, `explore_doublings`).
 
 Why the output law is the target's: K* is a function of the counts (the
 rows' and the decoded prompts') and of the cycle's number, which are
@@ -64,24 +65,34 @@ class AdaptiveDraftLength:
   drafts as if each draft were accepted with probability r0; the counts
   take over as they grow.
 
-  explore_every: every explore_every-th cycle drafts gamma tokens. A cycle
-  tries only the drafts it proposes, so without it counts that once made
-  K* small would never be tested at the positions past K* again, and rows
-  whose drafts became good (a repetitive stretch for prompt lookup, or a
-  prior below the pair's acceptance) would never be seen to be.
+  explore_every: every explore_every-th cycle drafts gamma tokens (an
+  explore cycle). A cycle tries only the drafts it proposes, so without it
+  counts that once made K* small would never be tested at the positions
+  past K* again, and rows whose drafts became good (a repetitive stretch
+  for prompt lookup, or a prior below the pair's acceptance) would never be
+  seen to be.
+
+  explore_budget: where an explore cycle costs more than K*'s would for
+  what it emits, exploring runs every 2^k explore_every-th cycle instead,
+  for the least k that keeps its loss, by the cost model, at most this
+  share of the decode's time (`explore_interval`). Where drafting does not
+  pay, gamma drafts can cost several plain steps more than they emit, and
+  every 32nd cycle would lose over 10% of AR's speed.
   """
 
   prior_rate: float = 0.6
   prior_weight: float = 4.0
   explore_every: int = 32
+  explore_budget: float = 0.01
 
   def __post_init__(self):
     if (not 0 < self.prior_rate < 1 or self.prior_weight <= 0
-        or self.explore_every < 1):
+        or self.explore_every < 1 or self.explore_budget <= 0):
       raise ValueError(
           f"AdaptiveDraftLength(prior_rate={self.prior_rate}, prior_weight="
-          f"{self.prior_weight}, explore_every={self.explore_every}): need "
-          "0 < prior_rate < 1, prior_weight > 0 and explore_every >= 1.")
+          f"{self.prior_weight}, explore_every={self.explore_every}, "
+          f"explore_budget={self.explore_budget}): need 0 < prior_rate < 1, "
+          "prior_weight > 0, explore_every >= 1 and explore_budget > 0.")
 
 
 @flax.struct.dataclass
@@ -132,7 +143,30 @@ def choose(policy: AdaptiveDraftLength, stats: DecodeStats,
   conditional = theory.conditional_acceptance_estimate(
       stats.accepted_per_position, stats.tried_per_position, pooled_rate,
       policy.prior_weight)
-  best = theory.goodput_optimal_draft_length(
-      conditional, active, cycle_cost(costs, widths, gamma, plain_step))
-  explore = stats.cycles % policy.explore_every == policy.explore_every - 1
+  cost = cycle_cost(costs, widths, gamma, plain_step)
+  goodput = theory.expected_goodput(conditional, active, cost)  # [G+1]
+  best = jnp.argmax(goodput)
+  # Explore cycles fall where cycles + 1 is a multiple of the interval:
+  # explore_every times a power of two, so each interval's cycles are also
+  # the shorter ones' and the spacing holds as the interval changes.
+  doublings = explore_doublings(policy, goodput, cost, best)
+  count = stats.cycles + 1
+  explore = ((count % policy.explore_every == 0)
+             & ((count // policy.explore_every)
+                % jnp.left_shift(1, doublings) == 0))
   return jnp.where(explore, gamma, best).astype(jnp.int32)
+
+
+def explore_doublings(policy: AdaptiveDraftLength, goodput, cost,
+                      best) -> jax.Array:
+  """k, [] int32: explore cycles run every 2^k explore_every-th cycle, for
+  the least k at which they lose at most policy.explore_budget of the
+  time. An explore cycle takes C(G) and emits what the best K emits in
+  C(G) g(G) / g(K*), g being the goodput [G+1]; the rest is lost, in cycles
+  of K*: loss = C(G) (1 - g(G) / g(K*)) / C(K*), and k = ceil(log2(loss /
+  (budget explore_every))), at least 0 (at most 30, for int32)."""
+  share = goodput[-1] / jnp.maximum(goodput[best], 1e-30)
+  loss = cost[-1] * (1 - share) / cost[best]
+  ratio = loss / (policy.explore_budget * policy.explore_every)
+  return jnp.clip(jnp.ceil(jnp.log2(jnp.maximum(ratio, 1.0))), 0,
+                  30).astype(jnp.int32)

@@ -147,6 +147,15 @@ def expected_emitted_tokens(conditional):
                         axis=-1)
 
 
+def expected_goodput(conditional, active, cycle_cost):
+  """sum_b active_b E_b(K) / C(K) for K = 0..G: [G+1], the batch's expected
+  tokens per unit cost of a cycle of K drafts (`goodput_optimal_draft_length`
+  says what the arguments are)."""
+  per_row = expected_emitted_tokens(conditional)  # [B, G+1]
+  tokens = jnp.where(jnp.asarray(active)[:, None], per_row, 0.0).sum(0)
+  return tokens / jnp.asarray(cycle_cost, jnp.float32)
+
+
 def goodput_optimal_draft_length(conditional, active, cycle_cost):
   """The K in 0..G that maximises the batch's expected tokens per unit cost,
 
@@ -163,7 +172,5 @@ def goodput_optimal_draft_length(conditional, active, cycle_cost):
   conditional: [B, G] each row's r_i; active: [B] bool; cycle_cost: [G+1].
   Returns an int32 scalar; ties go to the smaller K.
   """
-  per_row = expected_emitted_tokens(conditional)  # [B, G+1]
-  tokens = jnp.where(jnp.asarray(active)[:, None], per_row, 0.0).sum(0)
-  return jnp.argmax(tokens / jnp.asarray(cycle_cost, jnp.float32)).astype(
-      jnp.int32)
+  return jnp.argmax(expected_goodput(conditional, active,
+                                    cycle_cost)).astype(jnp.int32)

@@ -13,9 +13,9 @@ from conftest import tiny_pair
 MAX_NEW = 16
 GAMMA = 4
 # Widths 1, 3 and 5 at gamma 4 (verify_buckets=3). A draft pass costs a
-# fifth of a step and verifies cost more with width, so that rows that
+# tenth of a step and verifies cost more with width, so that rows that
 # accept often draft 4 and rows that are rejected draft less.
-COSTS = sj.CycleCosts.of(0.2, [1.0, 1.6, 2.2])
+COSTS = sj.CycleCosts.of(0.1, [1.0, 1.3, 1.6])
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +137,40 @@ def test_policy_drafts_the_cost_models_optimum():
                                  2)) == np.argmax(goodput) == 2
 
 
+@pytest.mark.parametrize("verify, best, doublings", [
+    # A verify of 5 costs 8 steps: no draft pays (K* = 0), and an explore
+    # cycle loses C(4) - E(4) = 8.4 - 1.9375 = 6.46 steps, 20 times a 1%
+    # budget of 32 cycles: 2^5 x 32 = 1024 cycles between explore cycles.
+    ([1.0, 4.0, 8.0], 0, 5),
+    # Cheaper verifies: K* = 2 (C = 1.3, E = 1.75); an explore cycle
+    # (C = 2.2, E = 1.9375) loses 2.2 (1 - 0.881 / 1.346) / 1.3 = 0.59
+    # cycles of K*, 1.8 times the budget: every 64th cycle.
+    ([1.0, 1.2, 2.0], 2, 1)])
+def test_explore_cycles_thin_out_where_exploring_loses(verify, best,
+                                                       doublings):
+  """Two rows that accept half their drafts at every position, gamma 4,
+  widths 1, 3 and 5, draft passes of 0.1 and 0.05 steps, a plain step for
+  K = 0: the explore interval is explore_every (32) times the least power
+  of two that keeps the cost model's loss within 1% of the time."""
+  stats = sj.DecodeStats.zeros(2, 4, 3).replace(
+      accepted_per_position=np.full((2, 4), 50),
+      tried_per_position=np.full((2, 4), 100))
+  policy = sj.AdaptiveDraftLength(prior_rate=0.5)
+  costs = sj.CycleCosts.of(0.1 if best == 0 else 0.05, verify)
+  active, widths = np.ones(2, bool), (1, 3, 5)
+  cost = draft_length.cycle_cost(costs, widths, 4, plain_step=True)
+  goodput = sj.theory.expected_goodput(np.full((2, 4), 0.5), active, cost)
+  assert int(np.argmax(goodput)) == best
+  assert int(draft_length.explore_doublings(policy, goodput, cost,
+                                            best)) == doublings
+  interval = 32 * 2**doublings
+  for cycles in (31, interval // 2 - 1, interval - 1, 3 * interval - 1):
+    chosen = draft_length.choose(policy, stats.replace(cycles=cycles), None,
+                                 active, costs, widths, 4, plain_step=True)
+    explores = (cycles + 1) % interval == 0
+    assert int(chosen) == (4 if explores else best), cycles
+
+
 def test_bad_policy_inputs_are_refused_before_compiling(target_and_draft):
   target, draft = target_and_draft
   padded, lengths = prompts(2)
@@ -163,3 +197,5 @@ def test_bad_policy_inputs_are_refused_before_compiling(target_and_draft):
     sj.AdaptiveDraftLength(prior_rate=1.0)
   with pytest.raises(ValueError, match="explore_every"):
     sj.AdaptiveDraftLength(explore_every=0)
+  with pytest.raises(ValueError, match="explore_budget"):
+    sj.AdaptiveDraftLength(explore_budget=0)
