@@ -146,9 +146,9 @@ def choose(policy: AdaptiveDraftLength, stats: DecodeStats,
   cost = cycle_cost(costs, widths, gamma, plain_step)
   goodput = theory.expected_goodput(conditional, active, cost)  # [G+1]
   best = jnp.argmax(goodput)
-  # Explore cycles fall where cycles + 1 is a multiple of the interval:
-  # explore_every times a power of two, so each interval's cycles are also
-  # the shorter ones' and the spacing holds as the interval changes.
+  # Explore cycles fall where cycles + 1 is a multiple of the interval,
+  # explore_every times a power of two: a longer interval's explore cycles
+  # are among a shorter one's, so the spacing holds as the interval moves.
   doublings = explore_doublings(policy, goodput, cost, best)
   count = stats.cycles + 1
   explore = ((count % policy.explore_every == 0)
