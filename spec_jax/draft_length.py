@@ -25,8 +25,9 @@ a queue, m_i is the row's own rate shrunk toward r0).
 A cycle that drafts nothing is a plain target step, the autoregressive
 loop's: no draft pass and no rejection step, so that where no draft pays the
 loop costs what AR does. A draft model's cache falls one token behind per
-such step and catches up in passes of 8 tokens in the next cycle that drafts
-(`drafting.propose`); C(0) leaves that out. (A drafter that cannot catch up,
+such step and catches up in passes of 8 tokens (7 new each) in the next
+cycle that drafts (`drafting.propose`); C(0) leaves that out, about a draft
+pass per 7 plain steps. (A drafter that cannot catch up,
 the EAGLE head, which reads the target's features of every token, runs K = 0
 as a cycle of one draft pass and a verify of width 1, with C(0) = c + V(1).)
 Every row drafts K*: a cycle's passes have fixed shapes, so its cost is set
@@ -87,7 +88,7 @@ class AdaptiveDraftLength:
 
   def __post_init__(self):
     if (not 0 < self.prior_rate < 1 or self.prior_weight <= 0
-        or self.explore_every < 1 or self.explore_budget <= 0):
+        or self.explore_every < 1 or not self.explore_budget > 0):
       raise ValueError(
           f"AdaptiveDraftLength(prior_rate={self.prior_rate}, prior_weight="
           f"{self.prior_weight}, explore_every={self.explore_every}, "
@@ -168,5 +169,6 @@ def explore_doublings(policy: AdaptiveDraftLength, goodput, cost,
   share = goodput[-1] / jnp.maximum(goodput[best], 1e-30)
   loss = cost[-1] * (1 - share) / cost[best]
   ratio = loss / (policy.explore_budget * policy.explore_every)
-  return jnp.clip(jnp.ceil(jnp.log2(jnp.maximum(ratio, 1.0))), 0,
-                  30).astype(jnp.int32)
+  # NaN (costs of 0) reads as 1: explore every explore_every-th cycle.
+  ratio = jnp.where(ratio > 1, ratio, 1.0)
+  return jnp.minimum(jnp.ceil(jnp.log2(ratio)), 30).astype(jnp.int32)

@@ -198,7 +198,8 @@ def propose(
   Args:
     draft: the draft model, or any function called like one.
     cache: its cache, valid for at least the first `lengths - 2` positions
-      (`lengths - 1` when feed_previous is False).
+      (`lengths - 1` when feed_previous is False), or, with catch_up, for
+      the first `cache.lengths - 1` (`cache.lengths`) of them.
     tokens: [B, S] int32 sequences; the last one, tokens[b, lengths[b]-1], is
       the context the first draft follows.
     lengths: [B] int32 sequence lengths.
@@ -232,6 +233,10 @@ def propose(
   the last token only.
   """
   context = 2 if feed_previous else 1
+  if 0 < catch_up < context:
+    raise ValueError(f"catch_up={catch_up}: a catch-up pass rewrites the "
+                     f"last {context - 1} slot(s) fed, so it needs at least "
+                     f"{context} tokens to advance.")
 
   def feed(cache: KVCache, first: jax.Array,
            width: int) -> tuple[jax.Array, KVCache]:

@@ -86,8 +86,9 @@ class DecodeStats:
 
   def record_plain_step(self, active) -> "DecodeStats":
     """The counters after a cycle that drafted nothing and ran the target
-    alone (a draft-length policy's K = 0): a verify of the narrowest width,
-    one token per active row."""
+    alone (a draft-length policy's K = 0): one token per active row,
+    counted under the first verify width (one token, with verify_buckets
+    of 2 or 3)."""
     return self.replace(cycles=self.cycles + 1,
                         row_cycles=self.row_cycles + active).count_width(0, 0)
 
