@@ -49,13 +49,16 @@ def prompts(num_prompts, seed=0):
     pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_greedy_adaptive_equals_greedy_target(target_and_draft, name):
   """With refill (12 prompts through 4 rows), and the draft length varying:
-  the loop drafted at least two different lengths."""
+  the loop drafted at least two different lengths (every 8th cycle
+  explores gamma, whatever it loses, and the others draft what the counts
+  choose)."""
   target, draft = target_and_draft
   padded, lengths = prompts(12)
   greedy = sj.Sampling(temperature=0)
   config = sj.DecodeConfig(gamma=GAMMA, max_new_tokens=MAX_NEW,
                            sampling=greedy, verify_buckets=3,
-                           adaptive=sj.AdaptiveDraftLength())
+                           adaptive=sj.AdaptiveDraftLength(
+                               explore_every=8, explore_budget=1.0))
   key = jax.random.key(0)
   spec = sj.generate(key, target, drafters(target, draft)[name], padded,
                      lengths, config, slots=4, costs=COSTS)
