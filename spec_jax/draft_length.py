@@ -27,14 +27,14 @@ loop's: no draft pass and no rejection step, so that where no draft pays the
 loop costs what AR does. A draft model's cache falls one token behind per
 such step and catches up in passes of 8 tokens (7 new each) in the next
 cycle that drafts (`drafting.propose`); C(0) leaves that out, about a draft
-pass per 7 plain steps. (A drafter that cannot catch up,
-the EAGLE head, which reads the target's features of every token, runs K = 0
-as a cycle of one draft pass and a verify of width 1, with C(0) = c + V(1).)
-Every row drafts K*: a cycle's passes have fixed shapes, so its cost is set
-by the longest proposal, and once that is K a row drafting fewer saves
-nothing (`theory`). Every explore_every-th cycle drafts gamma tokens,
-or every 2^k explore_every-th where that loses more than a budget of the
-time (`AdaptiveDraftLength`, `explore_doublings`).
+pass per 7 plain steps. (A drafter that cannot catch up, the EAGLE head,
+which reads the target's features of every token, runs K = 0 as a cycle of
+one draft pass and a verify of width 1, with C(0) = c + V(1).) Every row
+drafts K*: a cycle's passes have fixed shapes, so its cost is set by the
+longest proposal, and once that is K a row drafting fewer saves nothing
+(`theory`). Every explore_every-th cycle drafts gamma tokens, or every 2^k
+explore_every-th where that loses more than a budget of the time
+(`AdaptiveDraftLength`, `explore_doublings`).
 
 Why the output law is the target's: K* is a function of the counts (the
 rows' and the decoded prompts') and of the cycle's number, which are
@@ -76,7 +76,7 @@ class AdaptiveDraftLength:
   explore_budget: where an explore cycle costs more than K*'s would for
   what it emits, exploring runs every 2^k explore_every-th cycle instead,
   for the least k that keeps its loss, by the cost model, at most this
-  share of the decode's time (`explore_interval`). Where drafting does not
+  share of the decode's time (`explore_doublings`). Where drafting does not
   pay, gamma drafts can cost several plain steps more than they emit, and
   every 32nd cycle would lose over 10% of AR's speed.
   """
@@ -145,8 +145,10 @@ def choose(policy: AdaptiveDraftLength, stats: DecodeStats,
       stats.accepted_per_position, stats.tried_per_position, pooled_rate,
       policy.prior_weight)
   cost = cycle_cost(costs, widths, gamma, plain_step)
+  # The choice the brute-force test checks (`theory`); the goodput by K
+  # prices an explore cycle.
+  best = theory.goodput_optimal_draft_length(conditional, active, cost)
   goodput = theory.expected_goodput(conditional, active, cost)  # [G+1]
-  best = jnp.argmax(goodput)
   # Explore cycles fall where cycles + 1 is a multiple of the interval,
   # explore_every times a power of two: a longer interval's explore cycles
   # are among a shorter one's, so the spacing holds as the interval moves.
