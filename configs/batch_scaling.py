@@ -37,6 +37,7 @@ def get_config(arg=None):
     config.rounds = 3
   elif arg == "runlocal":
     config.batch_sizes = (1, 2)
+    config.temperatures = (1.0,)  # each cell compiles a dozen programs
     config.num_prompts = 8
     config.max_new_tokens = 8
     config.gamma = 2

@@ -20,9 +20,13 @@ def get_config(arg=None):
   # here: the components are timed after every batch, and each row's 8
   # batches average out a slow call.
   config.timing_repeats = 1
+  # One more run per temperature: the adaptive draft length, drafting up to
+  # max(gammas), beside the gammas in the same run.
+  config.adaptive_row = True
   del config["gamma"]  # set per row from gammas
   if arg == "runlocal":
     config.gammas = (1, 2)
     config.num_prompts = 2
     config.max_new_tokens = 8
+    config.adaptive_row = False  # its calibration and loop compile too
   return config

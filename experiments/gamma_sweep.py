@@ -28,12 +28,17 @@ def main(argv):
   print(f"{loaded.describe()}, {len(prompts.texts)} prompts", flush=True)
   result = gamma_sweep.gamma_sweep(config, loaded, prompts)
   print(gamma_sweep.format_table(result["rows"]))
-  for name in ("best_gamma_measured", "best_gamma_predicted"):
-    print(f"{name}: {result[name]}")
+  adaptive_rows = result.get("adaptive_rows", [])
+  if adaptive_rows:
+    print(gamma_sweep.format_adaptive_table(adaptive_rows))
+  for name in ("best_gamma_measured", "best_gamma_predicted",
+               "adaptive_over_best_measured"):
+    if name in result:
+      print(f"{name}: {result[name]}")
   workdir = _WORKDIR.value
   records.write_results(os.path.join(workdir, "sweep.json"), config, result)
   records.write_csv(os.path.join(workdir, "sweep.csv"), result["rows"])
-  paths = plots.save_figures(result["rows"], workdir)
+  paths = plots.save_figures(result["rows"] + adaptive_rows, workdir)
   print(f"wrote sweep.json, sweep.csv, {', '.join(map(os.path.basename, paths))}"
         f" to {workdir}")
 

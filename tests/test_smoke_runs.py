@@ -118,7 +118,8 @@ def test_gamma_sweep_smoke_run_writes_json_csv_and_plots(tiny_models, tmp_path):
   result = run_on_tiny_pair("gamma_sweep", "gamma_sweep", tiny_models,
                             tmp_path, f"--config.corpus={CORPUS}",
                             "--config.temperatures=0",
-                            "--config.prompt_tokens=8")
+                            "--config.prompt_tokens=8",
+                            "--config.adaptive_row=True")
   assert "[2/2] T=0 gamma= 2" in result.stderr  # progress per row
   sweep = json.loads((tmp_path / "sweep.json").read_text())
   assert {"code_version", "config", "rows", "best_gamma_measured",
@@ -133,6 +134,14 @@ def test_gamma_sweep_smoke_run_writes_json_csv_and_plots(tiny_models, tmp_path):
         row["sd_tokens_per_s"] / row["ar_tokens_per_s"])
   best = sweep["best_gamma_measured"]
   assert best["speedup"] == max(r["speedup"] for r in rows)
+  # The adaptive draft length up to gamma 2, beside the gammas: priced
+  # against the same pooled AR time, its cycles counted by draft length.
+  (adaptive,) = sweep["adaptive_rows"]
+  assert adaptive["policy"] == "adaptive" and adaptive["gamma"] == 2
+  assert adaptive["ar_tokens_per_s"] == rows[0]["ar_tokens_per_s"]
+  assert len(adaptive["limit_cycles"]) == 3 and sum(adaptive["limit_cycles"])
+  assert sweep["adaptive_over_best_measured"]["0"] == pytest.approx(
+      adaptive["speedup"] / best["speedup"])
   assert (tmp_path / "sweep.csv").read_text().count("\n") == 3
   for name in ("tokens_per_cycle", "speedup", "acceptance_by_position"):
     assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"

@@ -39,8 +39,9 @@ the baseline of both refill rows: `policy: fixed` drafts gamma every cycle,
 `policy: adaptive` the goodput-optimal K of `spec_jax.draft_length`, from
 costs calibrated at this batch size before the runs (`cycle_costs` in the
 row). The refill rows reuse the fixed batches' component costs (the same
-target, drafter and batch size) for their predictions; their AR steps are
-the refilled AR loop's iterations (`refill_steps`).
+target, drafter and batch size) for their predictions, which the adaptive
+rows leave null (`GAMMA_PREDICTIONS`: they model cycles of gamma drafts);
+their AR steps are the refilled AR loop's iterations (`refill_steps`).
 """
 
 import dataclasses
@@ -59,6 +60,14 @@ from spec_jax.decoding import (generate, generate_autoregressive,
 from spec_jax.draft_length import AdaptiveDraftLength
 
 _log = logging.getLogger(__name__)
+
+
+# A row's fields that model cycles of gamma drafts each.
+GAMMA_PREDICTIONS = (
+    "predicted_tokens_per_cycle_iid", "predicted_speedup",
+    "predicted_speedup_from_parts", "measured_over_predicted",
+    "predicted_speedup_iid", "predicted_speedup_flat_verify",
+    "break_even_verify_cost")
 
 
 def row_of(batch_size: int, run: dict, costs: timing.Costs) -> dict:
@@ -154,6 +163,9 @@ def refill_rows(config: ml_collections.ConfigDict, loaded: loading.Loaded,
     row.update(policy=policy, refill=True, cycles=run["sd"]["cycles"],
                limit_cycles=run["sd"]["limit_cycles"])
     if policy == "adaptive":
+      # Its cycles draft 0..gamma tokens: the predictions for cycles of
+      # gamma drafts do not apply to it.
+      row.update(dict.fromkeys(GAMMA_PREDICTIONS))
       row["cycle_costs"] = {
           "draft_step": float(cycle_costs.draft_step),
           "verify_widths": list(loop_verify_widths(drafter, adaptive)),
@@ -164,9 +176,12 @@ def refill_rows(config: ml_collections.ConfigDict, loaded: loading.Loaded,
 
 def crossover(rows: list[dict], key: str) -> dict:
   """{temperature: the smallest batch size at which `key` (a speedup) is
-  below 1, or None if it never is}."""
+  below 1, or None if it never is}; rows without `key` (None) are left
+  out."""
   result = {}
   for row in sorted(rows, key=lambda r: r["batch_size"]):
+    if row[key] is None:
+      continue
     name = f"{row['temperature']:g}"
     if "policy" in row and (row["policy"], row["refill"]) != ("fixed", False):
       name += f" {row['policy']}{' refill' if row['refill'] else ''}"

@@ -13,6 +13,10 @@ and sets the measurements beside what they predict:
     isolated parts (gamma draft steps + a verify) is recorded too: on a CPU a
     cycle costs more than its parts (see timing.py).
 
+With `adaptive_row`, each temperature gets one more run: the adaptive draft
+length (`spec_jax.draft_length`), drafting up to the largest gamma, so that
+the policy's speedup stands beside the best gamma's in the same run.
+
 AR decoding does not depend on gamma, so the AR time and the target step are
 pooled over each temperature's rows: the median of every row's AR runs (each
 row still runs AR beside SD, batch by batch), and the median of every round of
@@ -93,6 +97,27 @@ def row_of(run: dict, costs: timing.Costs, ar_seconds: float) -> dict:
   }
 
 
+def adaptive_row_of(run: dict, ar_seconds: float) -> dict:
+  """The adaptive draft length's row (`policy: adaptive`, drafting up to
+  `gamma`) beside the fixed gammas': measured only, since its cycles draft
+  different lengths, which no one gamma's component costs price.
+  limit_cycles counts its cycles by draft length, 0 being plain target
+  steps."""
+  sd = run["sd"]
+  return {
+      "policy": "adaptive",
+      "gamma": run["gamma"],
+      "temperature": run["temperature"],
+      "acceptance_rate": sd["acceptance_rate"],
+      "alpha_min_pq": sd["mean_overlap"],
+      "tokens_per_cycle": sd["tokens_per_cycle"],
+      **timing.speedup_over_ar(run, ar_seconds),
+      "ar_tokens_per_s_row": run["ar"]["tokens_per_s"],
+      "sd_tokens_per_s": sd["tokens_per_s"],
+      "limit_cycles": sd["limit_cycles"],
+  }
+
+
 def _best(rows: list[dict], key: str) -> dict:
   """The row maximising `key`, overall and per temperature."""
   def pick(candidates):
@@ -140,7 +165,11 @@ def gamma_sweep(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   """Runs every (temperature, gamma) of config on the same prompts.
 
   Returns {"rows", "best_gamma_measured", "best_gamma_predicted"} and logs a
-  progress line per row.
+  progress line per row. With config.adaptive_row, one more run per
+  temperature, the adaptive draft length up to max(gammas) beside its own
+  AR runs and priced against the pooled AR time as the gammas are:
+  "adaptive_rows" and "adaptive_over_best_measured" (its speedup over the
+  best gamma's, per temperature).
   """
   gammas = config_lib.gammas(config)
   temperatures = config_lib.temperatures(config)
@@ -148,7 +177,7 @@ def gamma_sweep(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   prompt_ids = compare.encode(prompts, loaded.target.tokenizer)
   width = pad_prompts(prompt_ids)[0].shape[1]
   total = len(gammas) * len(temperatures)
-  rows, done, start = [], 0, time.perf_counter()
+  rows, adaptive_rows, done, start = [], [], 0, time.perf_counter()
   # A cache length for every gamma (the longest decode loop's), so the target
   # step and the prefills compile once; a few more cache slots change a
   # step's time by well under 1%.
@@ -176,9 +205,36 @@ def gamma_sweep(config: ml_collections.ConfigDict, loaded: loading.Loaded,
     target_parts = target_timer.seconds()
     rows.extend(row_of(run, timing.Costs(**parts, **target_parts), ar_seconds)
                 for run, parts in runs)
-  return {"rows": rows,
-          "best_gamma_measured": _best(rows, "speedup"),
-          "best_gamma_predicted": _best(rows, "predicted_speedup")}
+    if config.get("adaptive_row", False):
+      adaptive = ml_collections.ConfigDict(config.to_dict())
+      adaptive.policy = "adaptive"
+      run = compare.compare_at(adaptive, loaded, prompts, temperature,
+                               gamma=max(gammas))
+      adaptive_rows.append(adaptive_row_of(run, ar_seconds))
+      _log.info("T=%g adaptive, gamma <= %d: tau %.2f, speedup %.2fx over "
+                "the pooled AR runs | %.0f s", temperature, max(gammas),
+                run["sd"]["tokens_per_cycle"], adaptive_rows[-1]["speedup"],
+                time.perf_counter() - start)
+  result = {"rows": rows,
+            "best_gamma_measured": _best(rows, "speedup"),
+            "best_gamma_predicted": _best(rows, "predicted_speedup")}
+  if adaptive_rows:
+    best = result["best_gamma_measured"]["by_temperature"]
+    result["adaptive_rows"] = adaptive_rows
+    # 1 when the policy gets, without a sweep, what the best gamma gets.
+    result["adaptive_over_best_measured"] = {
+        f"{row['temperature']:g}": row["speedup"] / best[
+            f"{row['temperature']:g}"]["speedup"] for row in adaptive_rows}
+  return result
+
+
+def format_adaptive_table(rows: list[dict]) -> str:
+  return records.text_table(rows, [
+      ("T", "{temperature:g}"), ("gamma <=", "{gamma:d}"),
+      ("alpha", "{alpha_min_pq:.3f}"), ("tau", "{tokens_per_cycle:.2f}"),
+      ("AR tok/s", "{ar_tokens_per_s:.1f}"),
+      ("SD tok/s", "{sd_tokens_per_s:.1f}"), ("speedup", "{speedup:.2f}x"),
+      ("cycles by K<", "{limit_cycles}")])
 
 
 def format_table(rows: list[dict]) -> str:

@@ -14,6 +14,11 @@ import numpy as np
 from spec_jax.io import files
 
 
+def _fixed(rows):
+  """The rows of a fixed gamma (a sweep's adaptive rows left out)."""
+  return [r for r in rows if r.get("policy", "fixed") == "fixed"]
+
+
 def _by_temperature(rows):
   """{temperature: rows sorted by gamma}."""
   groups = {}
@@ -26,7 +31,8 @@ def _measured_vs_predicted(rows, measured, predicted, predicted_label,
                            title, ylabel) -> Figure:
   figure = Figure(figsize=(6, 4), layout="constrained")
   axes = figure.add_subplot()
-  for index, (temperature, group) in enumerate(_by_temperature(rows).items()):
+  for index, (temperature, group) in enumerate(
+      _by_temperature(_fixed(rows)).items()):
     color = f"C{index}"
     gammas = [r["gamma"] for r in group]
     axes.plot(gammas, [r[measured] for r in group], "o-", color=color,
@@ -34,7 +40,7 @@ def _measured_vs_predicted(rows, measured, predicted, predicted_label,
     axes.plot(gammas, [r[predicted] for r in group], "s--", color=color,
               alpha=0.7, label=f"T={temperature:g} {predicted_label}")
   axes.set(title=title, xlabel="draft length gamma", ylabel=ylabel)
-  axes.set_xticks(sorted({r["gamma"] for r in rows}))
+  axes.set_xticks(sorted({r["gamma"] for r in _fixed(rows)}))
   axes.grid(alpha=0.3)
   axes.legend()
   return figure
@@ -53,7 +59,16 @@ def speedup_figure(rows) -> Figure:
       rows, "speedup", "predicted_speedup",
       "predicted from tau and component times",
       "Speedup over autoregressive decoding", "speedup (x)")
-  figure.axes[0].axhline(1.0, color="gray", lw=0.8)
+  axes = figure.axes[0]
+  axes.axhline(1.0, color="gray", lw=0.8)
+  temperatures = list(_by_temperature(_fixed(rows)))
+  for row in rows:
+    if row.get("policy") == "adaptive":  # no gamma of its own: a level
+      axes.axhline(row["speedup"], ls=":", lw=1.5,
+                   color=f"C{temperatures.index(row['temperature'])}",
+                   label=f"T={row['temperature']:g} adaptive, "
+                         f"gamma <= {row['gamma']}")
+  axes.legend()
   return figure
 
 
@@ -63,7 +78,8 @@ def acceptance_by_position_figure(rows) -> Figure:
   probability alpha (dotted)."""
   figure = Figure(figsize=(6, 4), layout="constrained")
   axes = figure.add_subplot()
-  for index, (temperature, group) in enumerate(_by_temperature(rows).items()):
+  for index, (temperature, group) in enumerate(
+      _by_temperature(_fixed(rows)).items()):
     row = group[-1]
     conditional = np.array(row["conditional_acceptance_per_position"], float)
     positions = np.arange(1, len(conditional) + 1)

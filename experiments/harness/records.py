@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import string
 import subprocess
 import tempfile
 
@@ -70,10 +71,18 @@ def check_writable(directory: str) -> None:
 def text_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
   """A fixed-width table for the terminal. columns: [(title, template)],
   template a `str.format` field of a row, e.g. ("tau",
-  "{tokens_per_cycle:.2f}"); a title ending in "<" is left-aligned. Each
-  column is as wide as its widest cell."""
+  "{tokens_per_cycle:.2f}"); a title ending in "<" is left-aligned. A
+  cell whose field is None (a measure that does not apply to the row)
+  shows "-". Each column is as wide as its widest cell."""
+  def cell(template: str, row: dict) -> str:
+    fields = [name for _, name, _, _ in string.Formatter().parse(template)
+              if name]
+    if any(row[name] is None for name in fields):
+      return "-"
+    return template.format(**row)
+
   titles = [title.rstrip("<") for title, _ in columns]
-  cells = [titles] + [[template.format(**row) for _, template in columns]
+  cells = [titles] + [[cell(template, row) for _, template in columns]
                       for row in rows]
   widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
   align = [str.ljust if title.endswith("<") else str.rjust
