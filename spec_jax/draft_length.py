@@ -9,18 +9,22 @@ the cycles that accepted draft i, and t_{b,i}, those that tried it
 
   E_b(K) = 1 + sum_{i=1..K} prod_{j=1..i} r_{b,j}          expected tokens
   r_{b,i} = (a_{b,i} + w m_i) / (t_{b,i} + w)              row estimate
-  m_i = (sum_b' a_{b',i} + w r0) / (sum_b' t_{b',i} + w)    pooled prior
+  m_i = (sum_b' a_{b',i} + w m) / (sum_b' t_{b',i} + w)     pooled, draft i
+  m = (sum_b',j a_{b',j} + w r0) / (sum_b',j t_{b',j} + w)  pooled, all drafts
   C(K) = K c + V(K) for K >= 1, C(0) = 1                   cost, in steps
 
 where c is a draft pass, V(K) the verify pass of the narrowest compiled
 width that holds K drafts (`verification.verify_widths`), both measured at
 this batch size and passed in as data (`CycleCosts`), and r0, w the prior
-(`AdaptiveDraftLength`). Each row's estimate shrinks toward m_i, the
-decode's pooled rate: the counts of every row and of every prompt already
-decoded (an empirical-Bayes prior), so a refilled row starts at what the
-pair has shown, not at r0. The pool holds the row's own counts too, so they
-weigh a little more than w pseudo-counts would let them (at one row without
-a queue, m_i is the row's own rate shrunk toward r0).
+(`AdaptiveDraftLength`). The pools are the counts of every row and of every
+prompt already decoded (an empirical-Bayes prior), so a refilled row starts
+at what the pair has shown, not at r0. Each row's estimate shrinks toward
+m_i, and m_i toward m, the i.i.d. model's acceptance rate: drafts past K*
+are tried only in explore cycles, and shrinking their few counts toward r0
+would price them at the prior long after the pair has shown its rate (at
+T = 1 the built-in pair accepts about 0.8 at every position, and a prior
+of 0.6 held the policy at 5 of 10 drafts). The pools hold the row's own
+counts too, so they weigh a little more than w pseudo-counts would let them.
 
 A cycle that drafts nothing is a plain target step, the autoregressive
 loop's: no draft pass and no rejection step, so that where no draft pays the
@@ -34,7 +38,11 @@ drafts K*: a cycle's passes have fixed shapes, so its cost is set by the
 longest proposal, and once that is K a row drafting fewer saves nothing
 (`theory`). Every explore_every-th cycle drafts gamma tokens, or every 2^k
 explore_every-th where that loses more than a budget of the time
-(`AdaptiveDraftLength`, `explore_doublings`).
+(`AdaptiveDraftLength`, `explore_doublings`). The decode's first cycles
+explore too, until its first draft has been tried warmup_tries times: a
+prior that prices drafting below a plain step would otherwise start the
+decode at K = 0, which tries no draft, so that no count would ever move it
+(the built-in pair at T = 0 accepts 0.85 of its drafts and drafted nothing).
 
 Why the output law is the target's: K* is a function of the counts (the
 rows' and the decoded prompts') and of the cycle's number, which are
@@ -49,6 +57,7 @@ loop with this policy, with costs that make it change K during the run.
 """
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
@@ -79,21 +88,29 @@ class AdaptiveDraftLength:
   share of the decode's time (`explore_doublings`). Where drafting does not
   pay, gamma drafts can cost several plain steps more than they emit, and
   every 32nd cycle would lose over 10% of AR's speed.
+
+  warmup_tries: the decode's first cycles explore until its rows (and the
+  prompts it has decoded) have tried their first draft this many times, so
+  that the counts, not the prior, choose K from then on. It costs a few
+  cycles per decode, at batch 1, and one at a batch of warmup_tries rows.
   """
 
   prior_rate: float = 0.6
   prior_weight: float = 4.0
   explore_every: int = 32
   explore_budget: float = 0.01
+  warmup_tries: int = 8
 
   def __post_init__(self):
     if (not 0 < self.prior_rate < 1 or self.prior_weight <= 0
-        or self.explore_every < 1 or not self.explore_budget > 0):
+        or self.explore_every < 1 or not self.explore_budget > 0
+        or self.warmup_tries < 0):
       raise ValueError(
           f"AdaptiveDraftLength(prior_rate={self.prior_rate}, prior_weight="
           f"{self.prior_weight}, explore_every={self.explore_every}, "
-          f"explore_budget={self.explore_budget}): need 0 < prior_rate < 1, "
-          "prior_weight > 0, explore_every >= 1 and explore_budget > 0.")
+          f"explore_budget={self.explore_budget}, warmup_tries="
+          f"{self.warmup_tries}): need 0 < prior_rate < 1, prior_weight > 0, "
+          "explore_every >= 1, explore_budget > 0 and warmup_tries >= 0.")
 
 
 @flax.struct.dataclass
@@ -138,12 +155,14 @@ def choose(policy: AdaptiveDraftLength, stats: DecodeStats,
   """
   pooled = lambda name: sum(
       getattr(s, name).sum(0) for s in (stats, decoded) if s is not None)
-  pooled_rate = theory.conditional_acceptance_estimate(
-      pooled("accepted_per_position"), pooled("tried_per_position"),
-      policy.prior_rate, policy.prior_weight)  # [G]
-  conditional = theory.conditional_acceptance_estimate(
-      stats.accepted_per_position, stats.tried_per_position, pooled_rate,
-      policy.prior_weight)
+  accepted, tried = pooled("accepted_per_position"), pooled(
+      "tried_per_position")  # [G], [G]
+  estimate = functools.partial(theory.conditional_acceptance_estimate,
+                               prior_weight=policy.prior_weight)
+  rate = estimate(accepted.sum(), tried.sum(), policy.prior_rate)  # []
+  pooled_rate = estimate(accepted, tried, rate)  # [G]
+  conditional = estimate(stats.accepted_per_position,
+                         stats.tried_per_position, pooled_rate)  # [B, G]
   cost = cycle_cost(costs, widths, gamma, plain_step)
   # The choice the brute-force test checks (`theory`); the goodput by K
   # prices an explore cycle.
@@ -157,6 +176,7 @@ def choose(policy: AdaptiveDraftLength, stats: DecodeStats,
   explore = ((count % policy.explore_every == 0)
              & ((count // policy.explore_every)
                 % jnp.left_shift(1, doublings) == 0))
+  explore |= tried[0] < policy.warmup_tries
   return jnp.where(explore, gamma, best).astype(jnp.int32)
 
 

@@ -73,9 +73,12 @@ def test_greedy_adaptive_equals_greedy_target(target_and_draft, name):
     "model", "ngram", pytest.param("layer_skip", marks=pytest.mark.slow),
     pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_no_drafts_where_drafting_cannot_pay(target_and_draft, name):
-  """Costs under which every draft costs 100 steps: the policy drafts
-  nothing, so every cycle is a plain target step (width 1), and the limit
-  reaches the drafter (nothing is drafted), with the output unchanged."""
+  """Costs under which every draft costs 100 steps: after the warm-up (gamma
+  drafts until draft 1 has been tried 8 times: 3 cycles of the first 3
+  prompts, or more for prompt lookup, which drafts only where it finds a
+  match), the policy drafts nothing, so every cycle is a plain target step
+  (width 1), and the limit reaches the drafter (nothing is drafted), with
+  the output unchanged."""
   target, draft = target_and_draft
   padded, lengths = prompts(6)
   config = sj.DecodeConfig(
@@ -88,9 +91,16 @@ def test_no_drafts_where_drafting_cannot_pay(target_and_draft, name):
   plain = sj.generate_autoregressive(key, target, padded, lengths, config)
   np.testing.assert_array_equal(spec.tokens, plain.tokens)
   stats = spec.stats
-  assert int(np.asarray(stats.drafted).sum()) == 0
-  assert np.asarray(stats.width_cycles).tolist()[1:] == [0, 0]
-  assert np.asarray(stats.limit_cycles)[1:].sum() == 0
+  warmup = int(np.asarray(stats.limit_cycles)[GAMMA])
+  plain_cycles = int(stats.cycles) - warmup
+  assert np.asarray(stats.limit_cycles).tolist() == [plain_cycles, 0, 0, 0,
+                                                     warmup]
+  assert int(np.asarray(stats.width_cycles)[0]) >= plain_cycles
+  if name == "ngram":
+    assert warmup >= 3
+  else:
+    assert warmup == 3
+    assert np.asarray(stats.drafted).tolist() == [3 * GAMMA] * 3 + [0] * 3
 
 
 def _goodput_by_hand(accepted, tried, decoded_accepted, decoded_tried,
@@ -98,8 +108,12 @@ def _goodput_by_hand(accepted, tried, decoded_accepted, decoded_tried,
   """sum_b active_b E_b(K) / C(K) for K = 0..2, from the module docstring's
   equations written out for two positions."""
   pooled = lambda a, d: a.sum(0) + d.sum(0)
-  m = ((pooled(accepted, decoded_accepted) + prior_weight * prior_rate)
-       / (pooled(tried, decoded_tried) + prior_weight))
+  pooled_accepted = pooled(accepted, decoded_accepted)
+  pooled_tried = pooled(tried, decoded_tried)
+  rate = ((pooled_accepted.sum() + prior_weight * prior_rate)
+          / (pooled_tried.sum() + prior_weight))
+  m = ((pooled_accepted + prior_weight * rate)
+       / (pooled_tried + prior_weight))
   r = (accepted + prior_weight * m) / (tried + prior_weight)
   emitted = np.stack([np.ones(len(r)), 1 + r[:, 0], 1 + r[:, 0] + r.prod(1)],
                      1)
@@ -113,7 +127,8 @@ def test_policy_drafts_the_cost_models_optimum():
   accepted, tried = np.array([[10, 10], [0, 0]]), np.array([[10, 10], [10, 0]])
   stats = sj.DecodeStats.zeros(2, 2, 3).replace(
       accepted_per_position=accepted, tried_per_position=tried)
-  policy = sj.AdaptiveDraftLength(prior_rate=0.5, prior_weight=2)
+  policy = sj.AdaptiveDraftLength(prior_rate=0.5, prior_weight=2,
+                                  warmup_tries=0)
   widths = (1, 2, 3)
   costs = sj.CycleCosts.of(0.1, [1.0, 1.5, 2.0])
   cost = np.array([0.1 + 1.0, 0.1 + 1.5, 0.2 + 2.0])
@@ -138,6 +153,61 @@ def test_policy_drafts_the_cost_models_optimum():
                              decoded.tried_per_position, one, 0.5, 2, cost)
   assert int(draft_length.choose(policy, fresh, decoded, one, costs, widths,
                                  2)) == np.argmax(goodput) == 2
+  # Prompts that tried only the first draft (36 of 40 accepted): the second
+  # is priced at the decode's rate over all drafts (0.88), not at the prior
+  # (0.5), and 2 drafts pay.
+  decoded = decoded.replace(
+      accepted_per_position=np.array([[9, 0]] * 4),
+      tried_per_position=np.array([[10, 0]] * 4))
+  goodput = _goodput_by_hand(zero, zero, decoded.accepted_per_position,
+                             decoded.tried_per_position, one, 0.5, 2, cost)
+  assert int(draft_length.choose(policy, fresh, decoded, one, costs, widths,
+                                 2)) == np.argmax(goodput) == 2
+
+
+def test_warmup_explores_until_the_first_draft_is_tried_enough():
+  """A prior under which no draft pays (r0 = 0.05): a fresh decode drafts
+  gamma until its rows and decoded prompts have tried draft 1 warmup_tries
+  times, then what the counts choose."""
+  policy = sj.AdaptiveDraftLength(prior_rate=0.05, warmup_tries=8)
+  costs, widths = sj.CycleCosts.of(0.1, [1.0, 1.5, 2.0]), (1, 2, 3)
+  one = np.ones(1, bool)
+  choose = lambda stats, decoded: int(draft_length.choose(
+      policy, stats, decoded, one, costs, widths, 2, plain_step=True))
+  tried = lambda n, k: sj.DecodeStats.zeros(n, 2, 3).replace(
+      accepted_per_position=np.zeros((n, 2), int),
+      tried_per_position=np.full((n, 2), k))
+  assert choose(sj.DecodeStats.zeros(1, 2, 3), None) == 2
+  assert choose(tried(1, 7), None) == 2
+  assert choose(tried(1, 3), tried(4, 1)) == 2  # 7 tries in all
+  # 8 tries, none accepted: K = 0 from here.
+  assert choose(tried(1, 8), None) == 0
+  assert choose(tried(1, 4), tried(2, 2)) == 0
+  assert choose(sj.DecodeStats.zeros(1, 2, 3), tried(1, 8)) == 0
+
+
+@pytest.mark.parametrize("warmup_tries, drafts", [(8, True), (0, False)])
+def test_the_loop_escapes_a_pessimistic_prior(target_and_draft, warmup_tries,
+                                              drafts):
+  """A prior of 0.05 prices drafting below a plain step, at costs where the
+  drafter's acceptance makes drafting pay (the target drafting for itself
+  is always accepted): with the warm-up the loop finds that out and drafts
+  in most cycles; without it (the negative control) it never tries a
+  draft, so it never learns."""
+  target, _ = target_and_draft
+  padded, lengths = prompts(8)
+  config = sj.DecodeConfig(
+      gamma=GAMMA, max_new_tokens=MAX_NEW, sampling=sj.Sampling(temperature=0),
+      verify_buckets=3, adaptive=sj.AdaptiveDraftLength(
+          prior_rate=0.05, explore_every=10**6, warmup_tries=warmup_tries))
+  spec = sj.generate(jax.random.key(0), target, sj.ModelDrafter(target),
+                     padded, lengths, config, slots=2,
+                     costs=sj.CycleCosts.of(0.05, [1.0, 1.05, 1.1]))
+  limits = np.asarray(spec.stats.limit_cycles)
+  if drafts:
+    assert limits[1:].sum() > 0.9 * limits.sum(), limits
+  else:
+    assert limits[1:].sum() == 0, limits
 
 
 @pytest.mark.parametrize("verify, best, doublings", [
@@ -202,3 +272,5 @@ def test_bad_policy_inputs_are_refused_before_compiling(target_and_draft):
     sj.AdaptiveDraftLength(explore_every=0)
   with pytest.raises(ValueError, match="explore_budget"):
     sj.AdaptiveDraftLength(explore_budget=0)
+  with pytest.raises(ValueError, match="warmup_tries"):
+    sj.AdaptiveDraftLength(warmup_tries=-1)

@@ -319,9 +319,10 @@ def test_cycles_of_no_drafts_run_without_the_drafter(pair4):
   config = sj.DecodeConfig(
       gamma=3, max_new_tokens=MAX_NEW, sampling=sj.Sampling(temperature=0),
       verify_buckets=3,
-      # A budget that lets exploring lose all it does, every 5th cycle.
+      # A budget that lets exploring lose all it does, every 5th cycle,
+      # and no warm-up, so that the explore cycles are the only drafts.
       adaptive=sj.AdaptiveDraftLength(explore_every=explore_every,
-                                      explore_budget=100.0))
+                                      explore_budget=100.0, warmup_tries=0))
   _PROPOSALS.clear()
   spec = sj.generate(jax.random.key(0), target, _CountedDrafter(draft),
                      padded, lengths, config,
