@@ -167,10 +167,22 @@ def test_bad_drafter_settings_are_refused(pair4):
     sj.NgramDrafter(target.vocab_size, max_n=1, min_n=2)
 
 
-@pytest.mark.parametrize("buckets", [1, 2, 3])
+def test_verify_widths_spread_from_one_to_gamma_plus_one():
+  widths = sj.verification.verify_widths
+  assert widths(4, 1) == (5,)
+  assert widths(4, 2) == (1, 5)
+  assert widths(4, 3) == (1, 3, 5)
+  assert widths(4, 5) == (1, 2, 3, 4, 5)
+  assert widths(10, 6) == (1, 3, 5, 7, 9, 11)
+  assert widths(8, 6) == (1, 2, 4, 5, 7, 9)
+  with pytest.raises(ValueError, match="gamma \\+ 1 = 5"):
+    sj.DecodeConfig(gamma=4, verify_buckets=6)
+
+
+@pytest.mark.parametrize("buckets", [1, 2, 3, 5])
 def test_verify_only_what_was_proposed(pair4, buckets):
   """A cycle in which no row proposed anything runs a one-token target step
-  (width index 0 with 2 or 3 buckets), and the tokens do not change."""
+  (width index 0 with 2 or more buckets), and the tokens do not change."""
   target, _ = pair4
   # No prompt repeats a token, so prompt lookup has no match at first.
   padded, lengths = sj.pad_prompts([[1, 2, 3, 4], [5, 6, 7], [8, 9]])

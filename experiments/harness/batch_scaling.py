@@ -127,8 +127,9 @@ def refill_rows(config: ml_collections.ConfigDict, loaded: loading.Loaded,
                                 min_width=width)
   fixed = config_lib.decode_config(config, temperature,
                                    eos_id=loaded.target.stop_ids)
-  adaptive = dataclasses.replace(fixed, verify_buckets=3,
-                                 adaptive=AdaptiveDraftLength())
+  adaptive = dataclasses.replace(
+      fixed, verify_buckets=config_lib.adaptive_verify_buckets(config),
+      adaptive=AdaptiveDraftLength())
   cycle_costs = timing.calibrate_cycle_costs(target, drafter, batch_size,
                                              max_len, adaptive)
   key = jax.random.key(config.seed)

@@ -20,9 +20,9 @@ def _fixed(rows):
 
 
 def _by_temperature(rows):
-  """{temperature: rows sorted by gamma}."""
+  """{temperature: the fixed-gamma rows sorted by gamma}."""
   groups = {}
-  for row in sorted(rows, key=lambda r: r["gamma"]):
+  for row in sorted(_fixed(rows), key=lambda r: r["gamma"]):
     groups.setdefault(row["temperature"], []).append(row)
   return groups
 
@@ -32,7 +32,7 @@ def _measured_vs_predicted(rows, measured, predicted, predicted_label,
   figure = Figure(figsize=(6, 4), layout="constrained")
   axes = figure.add_subplot()
   for index, (temperature, group) in enumerate(
-      _by_temperature(_fixed(rows)).items()):
+      _by_temperature(rows).items()):
     color = f"C{index}"
     gammas = [r["gamma"] for r in group]
     axes.plot(gammas, [r[measured] for r in group], "o-", color=color,
@@ -61,7 +61,7 @@ def speedup_figure(rows) -> Figure:
       "Speedup over autoregressive decoding", "speedup (x)")
   axes = figure.axes[0]
   axes.axhline(1.0, color="gray", lw=0.8)
-  temperatures = list(_by_temperature(_fixed(rows)))
+  temperatures = list(_by_temperature(rows))
   for row in rows:
     if row.get("policy") == "adaptive":  # no gamma of its own: a level
       axes.axhline(row["speedup"], ls=":", lw=1.5,
@@ -79,7 +79,7 @@ def acceptance_by_position_figure(rows) -> Figure:
   figure = Figure(figsize=(6, 4), layout="constrained")
   axes = figure.add_subplot()
   for index, (temperature, group) in enumerate(
-      _by_temperature(_fixed(rows)).items()):
+      _by_temperature(rows).items()):
     row = group[-1]
     conditional = np.array(row["conditional_acceptance_per_position"], float)
     positions = np.arange(1, len(conditional) + 1)
