@@ -86,9 +86,10 @@ def verify_widths(gamma: int, buckets: int) -> tuple[int, ...]:
   """The verify passes a chain cycle may run, in tokens (the last token and
   the drafts): gamma + 1 alone for 1 bucket; otherwise `buckets` widths
   spread evenly from 1 (a plain target step) to gamma + 1, so 3 buckets
-  add gamma // 2 + 1 and gamma + 1 buckets every width."""
+  add gamma // 2 + 1, and gamma + 1 buckets or more give every width."""
   if buckets == 1:
     return (gamma + 1,)
+  buckets = min(buckets, gamma + 1)
   return tuple(1 + j * gamma // (buckets - 1) for j in range(buckets))
 
 

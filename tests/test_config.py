@@ -64,7 +64,9 @@ def test_adaptive_policy_config_gives_the_decode_its_policy():
   assert decode.adaptive == sj.AdaptiveDraftLength()
   # 6 widths at gamma 8 (1, 2, 4, 5, 7, 9); at gamma 2, all 3.
   assert decode.verify_buckets == 6
-  assert config_lib.decode_config(config, 0.0, gamma=2).verify_buckets == 3
+  assert sj.verification.verify_widths(8, decode.verify_buckets) == (
+      1, 2, 4, 5, 7, 9)
+  assert sj.verification.verify_widths(2, decode.verify_buckets) == (1, 2, 3)
   config.tree = (2, 1)
   with pytest.raises(ValueError, match="Unset --config.tree"):
     config_lib.check(config)

@@ -175,8 +175,10 @@ def test_verify_widths_spread_from_one_to_gamma_plus_one():
   assert widths(4, 5) == (1, 2, 3, 4, 5)
   assert widths(10, 6) == (1, 3, 5, 7, 9, 11)
   assert widths(8, 6) == (1, 2, 4, 5, 7, 9)
-  with pytest.raises(ValueError, match="gamma \\+ 1 = 5"):
-    sj.DecodeConfig(gamma=4, verify_buckets=6)
+  assert widths(1, 3) == widths(4, 8)[:2] == (1, 2)
+  assert widths(4, 8) == (1, 2, 3, 4, 5)
+  with pytest.raises(ValueError, match="at least 1 verify width"):
+    sj.DecodeConfig(gamma=4, verify_buckets=0)
 
 
 @pytest.mark.parametrize("buckets", [1, 2, 3, 5])

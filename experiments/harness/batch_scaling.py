@@ -128,7 +128,7 @@ def refill_rows(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   fixed = config_lib.decode_config(config, temperature,
                                    eos_id=loaded.target.stop_ids)
   adaptive = dataclasses.replace(
-      fixed, verify_buckets=config_lib.adaptive_verify_buckets(config),
+      fixed, verify_buckets=config.adaptive_verify_buckets,
       adaptive=AdaptiveDraftLength())
   cycle_costs = timing.calibrate_cycle_costs(target, drafter, batch_size,
                                              max_len, adaptive)

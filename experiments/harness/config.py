@@ -62,7 +62,7 @@ def base_config() -> ml_collections.ConfigDict:
   # before the runs (spec_jax.draft_length).
   config.policy = "fixed"
   # The verify widths the adaptive policy drafts for, spread from 1 to
-  # gamma + 1 (at most gamma + 1 of them): a cycle pays for the narrowest
+  # gamma + 1 (every width where gamma + 1 is fewer): a cycle pays for the narrowest
   # that holds its drafts, so more widths let it draft nearer its optimum,
   # each one more verify pass compiled into the loop and calibrated. At
   # gamma 10, 6 widths are 1, 3, 5, 7, 9 and 11.
@@ -169,17 +169,9 @@ def decode_config(config: ml_collections.ConfigDict, temperature: float, *,
       max_new_tokens=config.max_new_tokens,
       sampling=sampling(config, temperature), eos_id=eos_id,
       resample=RESAMPLERS[config.verification],
-      verify_buckets=(adaptive_verify_buckets(config, gamma) if adaptive
+      verify_buckets=(config.adaptive_verify_buckets if adaptive
                       else config.verify_buckets),
       adaptive=AdaptiveDraftLength() if adaptive else None)
-
-
-def adaptive_verify_buckets(config: ml_collections.ConfigDict,
-                            gamma: int | None = None) -> int:
-  """The adaptive policy's verify widths at gamma (the config's by default),
-  at most one per draft length."""
-  gamma = config.gamma if gamma is None else gamma
-  return min(config.adaptive_verify_buckets, gamma + 1)
 
 
 def chains(config: ml_collections.ConfigDict) -> tuple[int, ...]:
