@@ -16,10 +16,11 @@ def get_config(arg=None):
   config = quickstart.get_config()
   # Draft lengths, one row each (and per temperature).
   config.gammas = tuple(range(1, 11))
-  # Runs of AR and SD over all the prompts; the median counts. One suffices
-  # here: the components are timed after every batch, and each row's 8
-  # batches average out a slow call.
-  config.timing_repeats = 1
+  # Runs of AR and SD over all the prompts, taking turns; the median counts.
+  # Timed once, a row's SD/AR varied by 10-20% between runs on a 2-core
+  # machine, more than neighbouring gammas differ; three turns cost seconds
+  # per row beside its compilation.
+  config.timing_repeats = 3
   # One more run per temperature: the adaptive draft length, drafting up to
   # max(gammas), beside the gammas in the same run.
   config.adaptive_row = True
@@ -29,4 +30,5 @@ def get_config(arg=None):
     config.num_prompts = 2
     config.max_new_tokens = 8
     config.adaptive_row = False  # its calibration and loop compile too
+    config.timing_repeats = 1
   return config
