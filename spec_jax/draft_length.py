@@ -30,15 +30,23 @@ A cycle that drafts nothing is a plain target step, the autoregressive
 loop's: no draft pass and no rejection step, so that where no draft pays the
 loop costs what AR does. A draft model's cache falls one token behind per
 such step and catches up in passes of 8 tokens (7 new each) in the next
-cycle that drafts (`drafting.propose`); C(0) leaves that out, about a draft
-pass per 7 plain steps. (A drafter that cannot catch up, the EAGLE head,
-which reads the target's features of every token, runs K = 0 as a cycle of
-one draft pass and a verify of width 1, with C(0) = c + V(1).) Every row
+cycle that drafts (`drafting.propose`), u steps per plain step behind
+(`CycleCosts.catch_up`, about a draft pass per 7 plain steps). C(0) leaves
+u out: a decode that drafts nothing from here on never pays it, and one
+that drafts in every cycle never falls behind. An explore cycle after
+K* = 0 pays it for every plain step since the last draft (below). (A
+drafter that cannot catch up, the EAGLE head, which reads the target's
+features of every token, runs K = 0 as a cycle of one draft pass and a
+verify of width 1, with C(0) = c + V(1).) Every row
 drafts K*: a cycle's passes have fixed shapes, so its cost is set by the
 longest proposal, and once that is K a row drafting fewer saves nothing
 (`theory`). Every explore_every-th cycle drafts gamma tokens, or every 2^k
 explore_every-th where that loses more than a budget of the time
-(`AdaptiveDraftLength`, `explore_doublings`). The decode's first cycles
+(`AdaptiveDraftLength`, `explore_doublings`). Where K* = 0, the catch-up
+before an explore cycle grows with the interval, so it costs a share u of
+the time at any spacing; where u alone exceeds the budget the decode stops
+exploring (the built-in pair's u is 0.005 steps at batch 1 and 0.024-0.026
+at batch 8 and 32, against a budget of 0.01). The decode's first cycles
 explore too, until its first draft has been tried warmup_tries times: a
 prior that prices drafting below a plain step would otherwise start the
 decode at K = 0, which tries no draft, so that no count would ever move it
@@ -122,10 +130,16 @@ class CycleCosts:
   # [W] float32, a verify pass and its rejection step at each compiled
   # width (`verification.verify_widths`, narrowest first).
   verify: jax.Array
+  # [] float32, u: what the drafter's catch-up costs later per plain target
+  # step it missed; 0 for one that reads only the tokens or the target's
+  # cache (prompt lookup, layer skip).
+  catch_up: jax.Array
 
   @classmethod
-  def of(cls, draft_step: float, verify) -> "CycleCosts":
-    return cls(jnp.float32(draft_step), jnp.asarray(verify, jnp.float32))
+  def of(cls, draft_step: float, verify,
+         catch_up: float = 0.0) -> "CycleCosts":
+    return cls(jnp.float32(draft_step), jnp.asarray(verify, jnp.float32),
+               jnp.float32(catch_up))
 
 
 def cycle_cost(costs: CycleCosts, widths: tuple[int, ...], gamma: int,
@@ -171,7 +185,8 @@ def choose(policy: AdaptiveDraftLength, stats: DecodeStats,
   # Explore cycles fall where cycles + 1 is a multiple of the interval,
   # explore_every times a power of two: a longer interval's explore cycles
   # are among a shorter one's, so the spacing holds as the interval moves.
-  doublings = explore_doublings(policy, goodput, cost, best)
+  doublings = explore_doublings(policy, goodput, cost, best,
+                                costs.catch_up if plain_step else 0.0)
   count = stats.cycles + 1
   explore = ((count % policy.explore_every == 0)
              & ((count // policy.explore_every)
@@ -180,17 +195,22 @@ def choose(policy: AdaptiveDraftLength, stats: DecodeStats,
   return jnp.where(explore, gamma, best).astype(jnp.int32)
 
 
-def explore_doublings(policy: AdaptiveDraftLength, goodput, cost,
-                      best) -> jax.Array:
+def explore_doublings(policy: AdaptiveDraftLength, goodput, cost, best,
+                      catch_up=0.0) -> jax.Array:
   """k, [] int32: explore cycles run every 2^k explore_every-th cycle, for
   the least k at which they lose at most policy.explore_budget of the
   time. An explore cycle takes C(G) and emits what the best K emits in
   C(G) g(G) / g(K*), g being the goodput [G+1]; the rest is lost, in cycles
-  of K*: loss = C(G) (1 - g(G) / g(K*)) / C(K*), and k = ceil(log2(loss /
-  (budget explore_every))), at least 0 (at most 30, for int32)."""
+  of K*: loss = C(G) (1 - g(G) / g(K*)) / C(K*). Where K* = 0 runs plain
+  steps, the catch-up u per plain step (`CycleCosts.catch_up`) loses a
+  share u / C(0) at any interval, and the rest of the budget pays the
+  explore cycles: k = ceil(log2(loss / ((budget - u / C(0)) explore_every))),
+  at least 0, and 30 (no explore cycle in any decode, for int32) where u
+  leaves nothing of the budget."""
   share = goodput[-1] / jnp.maximum(goodput[best], 1e-30)
   loss = cost[-1] * (1 - share) / cost[best]
-  ratio = loss / (policy.explore_budget * policy.explore_every)
+  room = policy.explore_budget - jnp.where(best == 0, catch_up / cost[0], 0.0)
+  ratio = loss / (room * policy.explore_every)
   # NaN (costs of 0) reads as 1: explore every explore_every-th cycle.
-  ratio = jnp.where(ratio > 1, ratio, 1.0)
+  ratio = jnp.where(room > 0, jnp.where(ratio > 1, ratio, 1.0), jnp.inf)
   return jnp.minimum(jnp.ceil(jnp.log2(ratio)), 30).astype(jnp.int32)

@@ -210,38 +210,56 @@ def test_the_loop_escapes_a_pessimistic_prior(target_and_draft, warmup_tries,
     assert limits[1:].sum() == 0, limits
 
 
-@pytest.mark.parametrize("verify, best, doublings", [
+@pytest.mark.parametrize("verify, best, catch_up, doublings", [
     # A verify of 5 costs 8 steps: no draft pays (K* = 0), and an explore
     # cycle loses C(4) - E(4) = 8.4 - 1.9375 = 6.46 steps, 20 times a 1%
     # budget of 32 cycles: 2^5 x 32 = 1024 cycles between explore cycles.
-    ([1.0, 4.0, 8.0], 0, 5),
+    ([1.0, 4.0, 8.0], 0, 0.0, 5),
+    # A draft model's catch-up of 0.005 steps per plain step takes half the
+    # budget at any interval: the explore cycles get the other half, every
+    # 2048th cycle.
+    ([1.0, 4.0, 8.0], 0, 0.005, 6),
+    # A catch-up of 0.01 takes it all: no explore cycle after the warm-up.
+    ([1.0, 4.0, 8.0], 0, 0.01, 30),
     # Cheaper verifies: K* = 2 (C = 1.3, E = 1.75); an explore cycle
     # (C = 2.2, E = 1.9375) loses 2.2 (1 - 0.881 / 1.346) / 1.3 = 0.59
-    # cycles of K*, 1.8 times the budget: every 64th cycle.
-    ([1.0, 1.2, 2.0], 2, 1)])
+    # cycles of K*, 1.8 times the budget: every 64th cycle. A row drafting
+    # in every cycle never falls behind: the catch-up does not count.
+    ([1.0, 1.2, 2.0], 2, 0.0, 1),
+    ([1.0, 1.2, 2.0], 2, 0.01, 1)])
 def test_explore_cycles_thin_out_where_exploring_loses(verify, best,
-                                                       doublings):
+                                                       catch_up, doublings):
   """Two rows that accept half their drafts at every position, gamma 4,
   widths 1, 3 and 5, draft passes of 0.1 and 0.05 steps, a plain step for
   K = 0: the explore interval is explore_every (32) times the least power
-  of two that keeps the cost model's loss within 1% of the time."""
+  of two that keeps the cost model's loss within 1% of the time, the
+  catch-up after plain steps included."""
   stats = sj.DecodeStats.zeros(2, 4, 3).replace(
       accepted_per_position=np.full((2, 4), 50),
       tried_per_position=np.full((2, 4), 100))
   policy = sj.AdaptiveDraftLength(prior_rate=0.5)
-  costs = sj.CycleCosts.of(0.1 if best == 0 else 0.05, verify)
+  costs = sj.CycleCosts.of(0.1 if best == 0 else 0.05, verify, catch_up)
   active, widths = np.ones(2, bool), (1, 3, 5)
   cost = draft_length.cycle_cost(costs, widths, 4, plain_step=True)
   goodput = sj.theory.expected_goodput(np.full((2, 4), 0.5), active, cost)
   assert int(np.argmax(goodput)) == best
-  assert int(draft_length.explore_doublings(policy, goodput, cost,
-                                            best)) == doublings
+  assert int(draft_length.explore_doublings(policy, goodput, cost, best,
+                                            catch_up)) == doublings
   interval = 32 * 2**doublings
   for cycles in (31, interval // 2 - 1, interval - 1, 3 * interval - 1):
+    if cycles >= 2**31:
+      continue  # past int32: the interval is longer than any decode
     chosen = draft_length.choose(policy, stats.replace(cycles=cycles), None,
                                  active, costs, widths, 4, plain_step=True)
     explores = (cycles + 1) % interval == 0
     assert int(chosen) == (4 if explores else best), cycles
+  if catch_up and best == 0:
+    # A loop whose K = 0 cycles run the drafter (plain_step=False) never
+    # falls behind: it explores as often as with no catch-up (C(0) = 1.1
+    # moves neither K* nor the 1024-cycle interval).
+    unpriced = draft_length.choose(policy, stats.replace(cycles=1023), None,
+                                   active, costs, widths, 4)
+    assert int(unpriced) == 4
 
 
 def test_bad_policy_inputs_are_refused_before_compiling(target_and_draft):

@@ -110,7 +110,9 @@ def test_speedup_over_ar_uses_the_ar_time_given():
 
 def test_calibrated_cycle_costs_price_each_compiled_width():
   """One cost per width the adaptive loop compiles, in target steps: a
-  width-1 pass is about a step, and each is positive."""
+  width-1 pass is about a step, and each is positive. A draft model's
+  catch-up after plain steps costs something (its four passes of 8 tokens
+  take longer than none); prompt lookup's costs nothing."""
   target, draft = tiny_pair()
   config = DecodeConfig(gamma=4, verify_buckets=3,
                         adaptive=sj.AdaptiveDraftLength())
@@ -119,3 +121,7 @@ def test_calibrated_cycle_costs_price_each_compiled_width():
   assert costs.verify.shape == (3,)  # widths 1, 3 and 5
   assert float(costs.draft_step) > 0 and (costs.verify > 0).all()
   assert 0.3 < float(costs.verify[0]) < 3
+  assert float(costs.catch_up) > 0
+  lookup = timing.calibrate_cycle_costs(
+      target, sj.NgramDrafter(target.vocab_size), 2, 48, config, rounds=1)
+  assert float(lookup.catch_up) == 0

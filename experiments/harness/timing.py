@@ -34,6 +34,7 @@ import numpy as np
 from spec_jax import decoding, theory
 from spec_jax.decoding import DecodeConfig
 from spec_jax.draft_length import CycleCosts
+from spec_jax.drafters import CATCH_UP_WIDTH
 from spec_jax.model import Model
 from spec_jax.sampling import Sampling
 
@@ -99,12 +100,14 @@ def _decode_steps(model: Model, cache, token, key, num_steps, sampling: Sampling
   return jax.lax.fori_loop(0, num_steps, step, (token, cache))
 
 
-@functools.partial(jax.jit, static_argnames="config")
+@functools.partial(jax.jit, static_argnames=("config", "behind"))
 def _propose_steps(drafter, state, target_cache, tokens, lengths, verified,
-                   key, num_steps, config: DecodeConfig):
+                   key, num_steps, config: DecodeConfig, behind: int = 0):
   """num_steps calls of drafter.propose, each drafting config.gamma tokens,
   and the drafter's update that follows it in a cycle (`verified` is one
-  verify pass's output, the same each time)."""
+  verify pass's output, the same each time). behind: the update leaves the
+  drafter's state that many tokens short, as that many plain target steps
+  would, so that each proposal catches up on them first."""
   rows = jnp.arange(tokens.shape[0])
 
   def step(i, carry):
@@ -117,7 +120,7 @@ def _propose_steps(drafter, state, target_cache, tokens, lengths, verified,
     # state, such as prompt lookup, reads only the tokens).
     tokens = tokens.at[rows, lengths - 1].set(proposal.tokens[:, 0])
     checksum += proposal.probs.sum()
-    return (drafter.update(proposal.state, lengths - 1, verified),
+    return (drafter.update(proposal.state, lengths - 1 - behind, verified),
             proposal.target_cache.rollback(target_cache.lengths), tokens,
             checksum)
 
@@ -349,9 +352,10 @@ def calibrate_cycle_costs(target: Model, drafter, batch_size: int,
                           rounds: int = 3) -> CycleCosts:
   """What the adaptive draft length optimises (`draft_length.CycleCosts`),
   measured at this batch size on a filled cache, as `CycleTimer` measures a
-  cycle's parts: a draft step, and a verify with its rejection step at each
-  width the loop compiles (`decoding.loop_verify_widths`), each over a
-  target step. A few seconds; run it once per program, before the decode.
+  cycle's parts: a draft step, a verify with its rejection step at each
+  width the loop compiles (`decoding.loop_verify_widths`), and a draft
+  model's catch-up per plain step it missed, each over a target step. A few
+  seconds; run it once per program, before the decode.
   """
   key = jax.random.key(0)
   tokens, lengths, _, target_cache, hidden = _context(
@@ -371,19 +375,31 @@ def calibrate_cycle_costs(target: Model, drafter, batch_size: int,
                                      n, config),
           p=proposal.replace(probs=uniform.at[:, w - 1:].set(0.0)))
       for w in widths}
+  propose = lambda behind: lambda n: _propose_steps(
+      drafter, draft_state, target_cache, tokens, lengths, verified, key, n,
+      config, behind)
+  # Only a drafter with a state of its own (a draft model's cache) falls
+  # behind on plain target steps; prompt lookup and layer skip read the
+  # tokens and the target's cache. Four catch-up passes of 7 new tokens
+  # where the context (max_len / 2) holds them.
+  behind = (min(4 * (CATCH_UP_WIDTH - 1), max_len // 2 - 2)
+            if draft_state is not None
+            and getattr(drafter, "catches_up", False) else 0)
   timer = RoundTimer({
       "target": lambda n: _decode_steps(target, target_cache, tokens[:, 0],
                                         key, n, config.sampling),
-      "propose": lambda n: _propose_steps(
-          drafter, draft_state, target_cache, tokens, lengths, verified, key,
-          n, config),
+      "propose": propose(0),
+      **({"propose_behind": propose(behind)} if behind else {}),
       **verify})
   for _ in range(rounds):
     timer.time_round()
   seconds = timer.seconds()
   step = seconds["target"]
+  catch_up = (max(seconds["propose_behind"] - seconds["propose"], 0.0)
+              / behind / step if behind else 0.0)
   return CycleCosts.of(seconds["propose"] / config.gamma / step,
-                       [seconds[f"verify_{w}"] / step for w in widths])
+                       [seconds[f"verify_{w}"] / step for w in widths],
+                       catch_up)
 
 
 class EveryNth:
