@@ -31,27 +31,26 @@ loop's: no draft pass and no rejection step, so that where no draft pays the
 loop costs what AR does. A draft model's cache falls one token behind per
 such step and catches up in passes of 8 tokens (7 new each) in the next
 cycle that drafts (`drafting.propose`), u steps per plain step behind
-(`CycleCosts.catch_up`, about a draft pass per 7 plain steps). C(0) leaves
-u out: a decode that drafts nothing from here on never pays it, and one
-that drafts in every cycle never falls behind. An explore cycle after
-K* = 0 pays it for every plain step since the last draft (below). (A
-drafter that cannot catch up, the EAGLE head, which reads the target's
-features of every token, runs K = 0 as a cycle of one draft pass and a
-verify of width 1, with C(0) = c + V(1).) Every row
-drafts K*: a cycle's passes have fixed shapes, so its cost is set by the
-longest proposal, and once that is K a row drafting fewer saves nothing
-(`theory`). Every explore_every-th cycle drafts gamma tokens, or every 2^k
-explore_every-th where that loses more than a budget of the time
-(`AdaptiveDraftLength`, `explore_doublings`). Where K* = 0, the catch-up
-before an explore cycle grows with the interval, so it costs a share u of
-the time at any spacing; where u alone exceeds the budget the decode stops
-exploring (the built-in pair's u is 0.003-0.007 steps at batch 1 and
-0.024-0.028 at batch 8 and 32, against a budget of 0.01). The decode's
-first cycles
-explore too, until its first draft has been tried warmup_tries times: a
-prior that prices drafting below a plain step would otherwise start the
-decode at K = 0, which tries no draft, so that no count would ever move it
-(the built-in pair at T = 0 accepts 0.85 of its drafts and drafted nothing).
+(`CycleCosts.catch_up`, about a draft pass per 7 plain steps). C(0) leaves u
+out: a decode that drafts nothing from here on never pays it, and one that
+drafts in every cycle never falls behind. An explore cycle after K* = 0 pays
+it for every plain step since the last draft (below). (A drafter that cannot
+catch up, the EAGLE head, which reads the target's features of every token,
+runs K = 0 as a cycle of one draft pass and a verify of width 1, with C(0) =
+c + V(1).) Every row drafts K*: a cycle's passes have fixed shapes, so its
+cost is set by the longest proposal, and once that is K a row drafting fewer
+saves nothing (`theory`). Every explore_every-th cycle drafts gamma tokens,
+or every 2^k explore_every-th where that loses more than a budget of the
+time (`AdaptiveDraftLength`, `explore_doublings`). Where K* = 0, the
+catch-up before an explore cycle grows with the interval, so it costs a
+share u of the time at any spacing; where u alone exceeds the budget the
+decode stops exploring (the built-in pair's u is 0.003-0.007 steps at batch
+1 and 0.024-0.028 at batch 8 and 32, against a budget of 0.01). The decode's
+first cycles explore too, until its first draft has been tried warmup_tries
+times: a prior that prices drafting below a plain step would otherwise start
+the decode at K = 0, which tries no draft, so that no count would ever move
+it (the built-in pair at T = 0 accepts 0.85 of its drafts and drafted
+nothing).
 
 Why the output law is the target's: K* is a function of the counts (the
 rows' and the decoded prompts') and of the cycle's number, which are
@@ -96,7 +95,9 @@ class AdaptiveDraftLength:
   for the least k that keeps its loss, by the cost model, at most this
   share of the decode's time (`explore_doublings`). Where drafting does not
   pay, gamma drafts can cost several plain steps more than they emit, and
-  every 32nd cycle would lose over 10% of AR's speed.
+  every 32nd cycle would lose over 10% of AR's speed. Where K* = 0, a draft
+  model's catch-up before each explore cycle takes its share first
+  (`explore_doublings`).
 
   warmup_tries: the decode's first cycles explore until its rows (and the
   prompts it has decoded) have tried their first draft this many times, so
