@@ -36,6 +36,27 @@ def test_the_dequantized_file_holds_the_same_model(tmp_path, weight_type):
       g, round_trip(np.asarray(w))), want.model.params, got.model.params)
 
 
+def test_summary_pools_and_splits_by_category():
+  """tokens/s pooled over every prompt and within each category, and the
+  count of outputs equal to the tool's AR."""
+  runs = {"ar": [([1, 2], 1.0), ([3], 2.0), ([4, 5, 6], 1.0)],
+          "lookup_4": [([1, 2], 0.5), ([3, 9], 1.0), ([4, 5, 6], 0.5)]}
+  summary = compare_llamacpp._summary(runs, [t for t, _ in runs["ar"]],
+                                      ["code", "edit", "code"])
+  assert summary["ar"]["tokens_per_s"] == 6 / 4
+  assert summary["ar"]["equal_to_ar"] == 3
+  assert summary["lookup_4"]["equal_to_ar"] == 2
+  assert summary["lookup_4"]["tokens_per_s"] == 7 / 2
+  by_category = summary["lookup_4"]["by_category"]
+  assert list(by_category) == ["code", "edit"]
+  assert by_category["code"] == {"tokens": 5, "seconds": 1.0,
+                                 "tokens_per_s": 5.0}
+  assert by_category["edit"]["tokens_per_s"] == 2.0
+  table = compare_llamacpp.format_table({"weights": {"F32": {
+      "llama_cpp": summary, "spec_jax": summary}}})
+  assert "by category" in table and "code" in table
+
+
 @pytest.mark.slow  # builds nothing, but loads SmolLM2 twice and times both
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                     reason="llama-cpp-python is not installed (the optional "
@@ -52,3 +73,4 @@ def test_compare_llamacpp_smoke_run(tmp_path):
     for summary in row[tool].values():
       assert summary["tokens_per_s"] > 0
       assert summary["equal_to_ar"] == summary["prompts"]
+      assert set(summary["by_category"]) == set(row["categories"])

@@ -129,17 +129,27 @@ def _ours(loaded, config, gammas):
   return {"ar": run(0), **{f"lookup_{g}": run(g) for g in gammas}}
 
 
-def _summary(runs: dict, ar_tokens: dict) -> dict:
-  """tokens/s over all prompts, and how many prompts match the tool's AR."""
+def _tokens_per_s(per_prompt: list) -> dict:
+  tokens = sum(len(t) for t, _ in per_prompt)
+  seconds = sum(s for _, s in per_prompt)
+  return {"tokens": tokens, "seconds": seconds,
+          "tokens_per_s": tokens / seconds}
+
+
+def _summary(runs: dict, ar_tokens: list, categories: list) -> dict:
+  """tokens/s over all prompts and per category, and how many prompts match
+  the tool's AR."""
   out = {}
   for name, per_prompt in runs.items():
-    tokens = sum(len(t) for t, _ in per_prompt)
-    seconds = sum(s for _, s in per_prompt)
+    by_category = {
+        category: _tokens_per_s([run for run, c in zip(per_prompt, categories)
+                                 if c == category])
+        for category in dict.fromkeys(categories)}
     out[name] = {
-        "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+        **_tokens_per_s(per_prompt),
         "equal_to_ar": sum(t == a for (t, _), a in zip(per_prompt,
                                                        ar_tokens)),
-        "prompts": len(per_prompt)}
+        "prompts": len(per_prompt), "by_category": by_category}
   return out
 
 
@@ -186,7 +196,8 @@ def compare_llamacpp(config: ml_collections.ConfigDict,
             theirs[name], prompt, config.max_new_tokens, stop_ids))
         runs["spec_jax"][name].append(ours[name](prompt, width))
       _log.info("%s: prompt %d/%d", weight_type, index + 1, len(prompt_ids))
-    row = {tool: _summary(tool_runs, [t for t, _ in tool_runs["ar"]])
+    row = {tool: _summary(tool_runs, [t for t, _ in tool_runs["ar"]],
+                          prompts.categories)
            for tool, tool_runs in runs.items()}
     # Each tool at its own precision: equal greedy outputs are likely, not
     # required.
@@ -199,6 +210,7 @@ def compare_llamacpp(config: ml_collections.ConfigDict,
 
 
 def format_table(report: dict) -> str:
+  """The pooled table, then spec_jax / llama.cpp tokens/s per category."""
   lines = [f"{'weights':<8} {'decoder':<10} {'llama.cpp tok/s':>15} "
            f"{'spec_jax tok/s':>14} {'ratio':>6}  equal to own AR"]
   for weight_type, row in report["weights"].items():
@@ -210,4 +222,14 @@ def format_table(report: dict) -> str:
           f"{ours['tokens_per_s'] / theirs['tokens_per_s']:>6.2f}  "
           f"llama.cpp {theirs['equal_to_ar']}/{theirs['prompts']}, "
           f"spec_jax {ours['equal_to_ar']}/{ours['prompts']}")
+  for weight_type, row in report["weights"].items():
+    categories = list(row["spec_jax"]["ar"]["by_category"])
+    lines += ["", f"{weight_type}: spec_jax / llama.cpp tokens/s by category",
+              f"{'decoder':<10} " + " ".join(f"{c[:14]:>14}"
+                                             for c in categories)]
+    for name, ours in row["spec_jax"].items():
+      theirs = row["llama_cpp"][name]["by_category"]
+      lines.append(f"{name:<10} " + " ".join(
+          f"{ours['by_category'][c]['tokens_per_s'] / theirs[c]['tokens_per_s']:>14.2f}"
+          for c in categories))
   return "\n".join(lines)
