@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments.harness import exactness
+from experiments.harness import compare, exactness
 from conftest import CORPUS, run_module
 
 
@@ -158,6 +158,21 @@ def test_block_verification_smoke_run(tiny_models, tmp_path):
   assert same["gain"] > -4 * same["gain_standard_error"]
   assert same["tau_block"] == pytest.approx(same["tau_token"] + same["gain"])
   assert row["block"]["tokens_per_cycle"] >= 1
+
+
+def test_each_batch_is_padded_to_its_own_width():
+  """A batch of short prompts is not padded to the longest prompt's width
+  (its prefill would pay for it); the first batch of each width is the one
+  that compiles it."""
+  prompt_ids = [[1] * 10, [2] * 12, [3] * 40, [4] * 300, [5] * 14]
+  groups = [[0, 1], [2, 3], [4]]
+  all_batches = compare.batches(prompt_ids, 2, groups)
+  assert [ids.shape for ids, _ in all_batches] == [(2, 16), (2, 512),
+                                                   (2, 16)]
+  np.testing.assert_array_equal(all_batches[1][1], [40, 300])
+  # The last group's batch is filled with its last prompt.
+  np.testing.assert_array_equal(all_batches[2][1], [14, 14])
+  assert compare.first_of_each_width(all_batches) == [0, 1]
 
 
 def test_main_job_reports_categories_from_a_question_file(tiny_models,

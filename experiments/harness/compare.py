@@ -29,17 +29,28 @@ def batch_rows(groups: list[list[int]], batch_size: int) -> list[list[int]]:
           for start in range(0, len(group), batch_size)]
 
 
-def batches(prompt_ids: list[list[int]], batch_size: int, width: int,
+def batches(prompt_ids: list[list[int]], batch_size: int,
             groups: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
-  """(prompts [B, width], lengths [B]) per batch of `batch_rows`. Every batch
-  is padded to one width and is full (the last of a group repeats its last
-  prompt), so one compiled program serves all."""
+  """(prompts [B, P], lengths [B]) per batch of `batch_rows`. Every batch is
+  full (the last of a group repeats its last prompt) and padded to the
+  power-of-two width its longest prompt needs (`pad_prompts`), so a batch of
+  short prompts does not pay a long one's prefill; each width compiles one
+  program."""
   result = []
   for indices in batch_rows(groups, batch_size):
     batch = [prompt_ids[i] for i in indices]
     batch = batch + [batch[-1]] * (batch_size - len(batch))
-    result.append(pad_prompts(batch, min_width=width))
+    result.append(pad_prompts(batch))
   return result
+
+
+def first_of_each_width(all_batches: list) -> list[int]:
+  """The index of the first batch of each prompt width: the batches that
+  compile every program the decode needs."""
+  first = {}
+  for index, (prompts, _) in enumerate(all_batches):
+    first.setdefault(prompts.shape[1], index)
+  return list(first.values())
 
 
 def decoders(loaded: loading.Loaded, decode_config: DecodeConfig, key,
@@ -139,32 +150,35 @@ def compare_at(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   """AR and SD at one temperature (and gamma), timed side by side.
 
   prompts: a `loading.Prompts`, or a list of prompt texts.
-  Each decode is compiled and warmed up on the first batch before timing
-  (the record's compile_s: that call's time less the batch's timed run);
+  Each decode is compiled and warmed up on the first batch of each prompt
+  width before timing (the record's compile_s: those calls' time less the
+  same batches' timed runs);
   `timers` time a round after every batch (see `timing.interleave`).
   """
   prompts = loading.Prompts.of(prompts)
   prompt_ids = encode(prompts, loaded.target.tokenizer)
-  width = pad_prompts(prompt_ids)[0].shape[1]
   decode_config = config_lib.decode_config(
       config, temperature, gamma=gamma, eos_id=loaded.target.stop_ids)
   groups = groups_of(prompts)
-  all_batches = batches(prompt_ids, config.batch_size, width, groups)
+  all_batches = batches(prompt_ids, config.batch_size, groups)
   costs = None
   if decode_config.adaptive is not None:
-    # At the batch size and cache length the decode runs with.
+    # At the batch size and the longest cache the decode runs with.
+    width = max(ids.shape[1] for ids, _ in all_batches)
     max_len = width + config.max_new_tokens + decode_config.gamma + 1
     costs = timing.calibrate_cycle_costs(loaded.target.model, loaded.drafter,
                                          config.batch_size, max_len,
                                          decode_config)
   run = decoders(loaded, decode_config,
                  jax.random.key(config.seed + seed_offset), mesh, costs)
-  warmup = timing.interleave(run, all_batches[:1])
+  compiling = first_of_each_width(all_batches)
+  warmup = timing.interleave(run, [all_batches[i] for i in compiling])
   timed = timing.interleave(run, all_batches, config.timing_repeats, timers)
   record = run_record(decode_config, config.batch_size, prompts, groups,
                       timed)
-  record["compile_s"] = {name: warmup[name][1] - timed[name][2][0]
-                         for name in run}
+  record["compile_s"] = {
+      name: sum(warmup[name][2][j] - timed[name][2][i]
+                for j, i in enumerate(compiling)) for name in run}
   return record
 
 

@@ -125,14 +125,13 @@ def greedy_rows(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   """(category, prompt ids, the target's greedy output ids) per prompt, from
   the autoregressive loop with the main job's batches and stop ids."""
   prompt_ids = compare.encode(prompts, loaded.target.tokenizer)
-  width = pad_prompts(prompt_ids)[0].shape[1]
   groups = compare.groups_of(prompts)
   decode_config = config_lib.decode_config(config, 0.0,
                                            eos_id=loaded.target.stop_ids)
   decode = compare.decoders(loaded, decode_config,
                             jax.random.key(config.seed))["ar"]
   results = [decode(*batch) for batch in compare.batches(
-      prompt_ids, config.batch_size, width, groups)]
+      prompt_ids, config.batch_size, groups)]
   outputs = compare.rows(results, compare.batch_rows(groups,
                                                      config.batch_size))
   categories = prompts.categories or ["all"] * len(prompt_ids)
