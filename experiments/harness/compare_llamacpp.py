@@ -102,9 +102,9 @@ def _llama_greedy(llm, prompt: list[int], max_new_tokens: int,
 
 
 def _ours(loaded, config, gammas):
-  """{name: fn(prompt ids) -> (tokens, seconds)}: spec_jax's AR and SD at
-  each gamma, batch 1, greedy, compiled on first use of each prompt
-  width."""
+  """{name: fn(prompts [1, P], lengths [1]) -> (tokens, seconds)}:
+  spec_jax's AR and SD at each gamma, batch 1, greedy, compiled on first use
+  of each prompt width."""
   stop_ids = loaded.target.stop_ids
   target = loaded.target.model
   key = jax.random.key(config.seed)
@@ -112,10 +112,7 @@ def _ours(loaded, config, gammas):
   def run(gamma):
     decode_config = config_lib.decode_config(config, 0.0, gamma=gamma or 1,
                                              eos_id=stop_ids)
-    def decode(prompt):
-      # The prompt's own power-of-two width, as llama.cpp prefills only the
-      # prompt: each width compiles once.
-      ids, lengths = pad_prompts([prompt])
+    def decode(ids, lengths):
       start = time.perf_counter()
       if gamma:
         result = generate(key, target, loaded.drafter, ids, lengths,
@@ -179,8 +176,11 @@ def compare_llamacpp(config: ml_collections.ConfigDict,
       dequantized_gguf(str(source), path, weight_type)
     prompts = loading.load_prompt_set(run_config, loaded)
     prompt_ids = compare.encode(prompts, loaded.target.tokenizer)
-    widths = [pad_prompts([p])[0].shape[1] for p in prompt_ids]
-    context = max(widths) + config.max_new_tokens + max(gammas) + 8
+    # Each prompt at its own power-of-two width, as llama.cpp prefills only
+    # the prompt: each width compiles once.
+    padded = [pad_prompts([p]) for p in prompt_ids]
+    context = (max(ids.shape[1] for ids, _ in padded) + config.max_new_tokens
+               + max(gammas) + 8)
     stop_ids = set(loaded.target.stop_ids)
     theirs = {"ar": _llama(path, config.threads, context, 0, config.ngram.max_n),
               **{f"lookup_{g}": _llama(path, config.threads, context, g,
@@ -189,8 +189,8 @@ def compare_llamacpp(config: ml_collections.ConfigDict,
     ours = _ours(loaded, run_config, gammas)
     # Warm-up: compile ours at each prompt width, load theirs.
     for name in ours:
-      for width in set(widths):
-        ours[name](prompt_ids[widths.index(width)])
+      for index in compare.first_of_each_width(padded):
+        ours[name](*padded[index])
       _llama_greedy(theirs[name], prompt_ids[0], 8, stop_ids)
     runs = {"llama_cpp": {n: [] for n in theirs},
             "spec_jax": {n: [] for n in ours}}
@@ -198,7 +198,7 @@ def compare_llamacpp(config: ml_collections.ConfigDict,
       for name in ours:
         runs["llama_cpp"][name].append(_llama_greedy(
             theirs[name], prompt, config.max_new_tokens, stop_ids))
-        runs["spec_jax"][name].append(ours[name](prompt))
+        runs["spec_jax"][name].append(ours[name](*padded[index]))
       _log.info("%s: prompt %d/%d", weight_type, index + 1, len(prompt_ids))
     row = {tool: _summary(tool_runs, [t for t, _ in tool_runs["ar"]],
                           prompts.categories)
