@@ -30,15 +30,16 @@ def get_config(arg=None):
   # No draft model shares SmolLM2's vocabulary offline; prompt lookup needs
   # none (see docs/real_models.md).
   config.drafter = "ngram"
-  # A verify of 7 tokens costs about 1.9 float32 target steps here, so a
-  # proposal must be accepted about one draft on average to pay. Replayed on
-  # SmolLM2's greedy replies (configs/lookup_replay.py), a one-token match
-  # was accepted 0.5 drafts on average, a two-token one 1.6, three or more
-  # 2.4-3.4: only matches of 3+ tokens are proposed, up to 6 drafts (2+ ties
-  # in the replay's prediction and measured a little slower).
-  config.gamma = 6
-  config.ngram.max_n = 4
-  config.ngram.min_n = 3
+  # With the small-row kernel a verify of 5 tokens costs about 1.1 target
+  # steps here (bench_step's smollm2 rows), so even a one-token match pays:
+  # replayed on SmolLM2's greedy replies (configs/lookup_replay.py), it is
+  # accepted 0.5 drafts on average, a two-token one 1.6, three or more
+  # 2.3-3.3. Proposing up to 4 drafts on matches of 1-3 tokens ties with 6
+  # on 1-4 in the replay's prediction, and measured 1.30x against 1.20x for
+  # matches of 3-4 only (bfloat16; docs/real_models.md).
+  config.gamma = 4
+  config.ngram.max_n = 3
+  config.ngram.min_n = 1
   config.temperatures = (0.0,)
   config.prompts_file = str(PROMPTS / "categories.jsonl")
   config.chat = True
