@@ -217,8 +217,9 @@ inline void StoreSums(Vec (&acc)[R][P], float* y, int64_t ldy) {
     for (int p = 0; p < P; ++p) y[r * ldy + p] = sums[r * P + p];
 }
 
-// Streams this tile's share of the next panel, an equal number of cache
-// lines per step of k. Set up once per tile: the k loop does no division.
+// Streams this tile's share of the panel kAhead on, an equal number of
+// cache lines per step of k. Set up once per tile: the k loop does no
+// division.
 class Prefetcher {
  public:
   Prefetcher(const Ahead& ahead, int64_t steps) {
