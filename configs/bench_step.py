@@ -52,7 +52,7 @@ def get_config(arg=None):
   config.gammas = (1, 2, 4, 8)
   config.batch_sizes = (1, 8)
   # Rows M of the kernel-against-XLA products over each model's weights.
-  config.crossover_rows = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+  config.crossover_rows = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
   # Cache slots of the timed step and verifies (about a mid-length chat).
   config.cache_length = 256
   # Timing rounds; each time is the median.

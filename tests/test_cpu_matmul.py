@@ -37,7 +37,7 @@ def _operands(m, k, n, dtype, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_kernel_matches_a_float64_product(k, n, dtype):
-  for m in (1, 3, 6, 7, 16):
+  for m in (1, 3, 6, 7, 16, cpu_matmul.MAX_ROWS):
     x, w = _operands(m, k, n, dtype)
     exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     got = np.asarray(jax.jit(cpu_matmul.small_row_matmul)(x, w))
@@ -50,14 +50,15 @@ def test_kernel_matches_a_float64_product(k, n, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_row_is_bitwise_independent_of_m_and_of_the_other_rows(dtype):
-  k, n = 577, 37
-  x, w = _operands(16, k, n, dtype)
+  k, n, most = 577, 37, cpu_matmul.MAX_ROWS
+  x, w = _operands(most, k, n, dtype)
   product = jax.jit(cpu_matmul.small_row_matmul)
-  alone = np.stack([np.asarray(product(x[i:i + 1], w))[0] for i in range(16)])
-  for m in range(1, 17):
+  alone = np.stack([np.asarray(product(x[i:i + 1], w))[0]
+                    for i in range(most)])
+  for m in (*range(1, 17), 23, 40, most):
     # Other rows than the first m of x, so each row has new neighbours.
-    rows = jnp.concatenate([x[:m - 1], x[15:16]]) if m > 1 else x[15:16]
-    want = np.concatenate([alone[:m - 1], alone[15:16]])
+    rows = jnp.concatenate([x[:m - 1], x[most - 1:]])
+    want = np.concatenate([alone[:m - 1], alone[most - 1:]])
     np.testing.assert_array_equal(np.asarray(product(rows, w)), want,
                                   err_msg=f"M={m}")
 
@@ -241,11 +242,12 @@ def test_attend_gradients_are_those_of_xlas_formula():
 
 
 def test_model_attention_takes_the_kernel_up_to_max_rows_only():
+  length = 2 * cpu_matmul.MAX_ROWS
   config = sj.TransformerConfig(vocab_size=97, d_model=32, num_layers=1,
-                                num_heads=2, d_ff=64, max_len=64)
+                                num_heads=2, d_ff=64, max_len=length)
   target = sj.Model.init(config, jax.random.key(0))
   lowered = lambda t: jax.jit(target.__call__).lower(
-      jnp.zeros((1, t), jnp.int32), target.init_cache(1, 64)).as_text()
+      jnp.zeros((1, t), jnp.int32), target.init_cache(1, length)).as_text()
   assert "spec_jax_attend" in lowered(cpu_matmul.MAX_ROWS)
   assert "spec_jax_attend" not in lowered(cpu_matmul.MAX_ROWS + 1)
 
@@ -269,27 +271,22 @@ def _verify_and_steps(config):
   """Logits of 9 tokens scored by one pass that writes its keys (a verify),
   by one that leaves them unwritten (the loop's width switch), and by 9
   one-token passes (steps), after prefills of 5 and 3 tokens, at batch 2
-  (18 rows: at batch 1 the kernels serve all of them; rows at two pointers)."""
+  (a verify of 18 rows, a step of 2, the rows at two pointers)."""
   target = sj.Model.init(config, jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (2, 14), 0, 97)
   cache = target.init_cache(2, 32)
   _, cache = target(tokens[:, :5], cache)
   cache = cache.rollback(jnp.array([5, 3]))
   positions = cache.lengths[:, None] + jnp.arange(9)
-  rows = []
-  for b in range(2):  # one row at a time: 9 tokens, within MAX_ROWS
-    row = jax.tree.map(lambda x: x[b:b + 1], cache)
-    written, _ = target(tokens[b:b + 1, 5:], row, positions[b:b + 1])
-    unwritten, _, _ = target.forward(tokens[b:b + 1, 5:], row,
-                                     positions[b:b + 1], write=False)
-    steps = []
-    for t in range(9):
-      logits, row = target(tokens[b:b + 1, 5 + t:6 + t], row,
-                           positions[b:b + 1, t:t + 1])
-      steps.append(logits)
-    rows.append([np.asarray(written), np.asarray(unwritten),
-                 np.asarray(jnp.concatenate(steps, 1))])
-  return [np.concatenate(r) for r in zip(*rows)]
+  written, _ = target(tokens[:, 5:], cache, positions)
+  unwritten, _, _ = target.forward(tokens[:, 5:], cache, positions,
+                                   write=False)
+  steps = []
+  for t in range(9):
+    logits, cache = target(tokens[:, 5 + t:6 + t], cache, positions[:, t:t + 1])
+    steps.append(logits)
+  return [np.asarray(written), np.asarray(unwritten),
+          np.asarray(jnp.concatenate(steps, 1))]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

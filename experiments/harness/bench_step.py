@@ -1,7 +1,8 @@
 """What one target step and one verify cost, against the memory roofline.
 
 For each model: the read bandwidth (the faster of a jitted sum and the
-small-row kernel's one-row product, over 1 GiB), the weight
+small-row kernel's one-row product, over 1 GiB, timed in the model's rounds
+beside its step), the weight
 bytes, hence the roofline of a step (weight bytes / bandwidth: a decode step
 reads every weight once); the step itself (model call and sampling, over a
 filled cache, in a jitted loop as the decode loop runs it); a verify of
@@ -28,7 +29,6 @@ import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
 from experiments.harness import compare, loading, timing
 from experiments.harness import config as config_lib
@@ -127,22 +127,17 @@ def _one_row_product(x):
   return cpu_matmul.small_row_matmul(jnp.ones((1, x.shape[1]), x.dtype), x)
 
 
-def read_bandwidth(rounds: int) -> dict:
-  """{read: bytes per second} over a 1 GiB float32 array: a jitted sum, and
-  (where it runs) the small-row kernel's one-row product; the roofline takes
-  the faster."""
+def read_calls() -> dict:
+  """{read name: fn()} over a 1 GiB float32 array: a jitted sum, and (where
+  it runs) the small-row kernel's one-row product; the roofline takes the
+  faster. Each model times them in its own rounds, beside its step: this
+  machine's bandwidth moves by half within an hour, with its neighbours."""
   data = jnp.ones((GIB // 4 // 1024, 1024), jnp.float32)
   reads = {"sum": _sum}
   if cpu_matmul.serves(1):
     reads["kernel"] = _one_row_product
-  best = {}
-  for name, read in reads.items():
-    read(data).block_until_ready()
-    seconds = [timing.timed(read, data)[1] for _ in range(rounds)]
-    best[name] = GIB / float(np.median(seconds))
-  _log.info("read bandwidth: %s", {k: f"{v / 1e9:.1f} GB/s"
-                                   for k, v in best.items()})
-  return best
+  return {f"read_{name}": functools.partial(read, data)
+          for name, read in reads.items()}
 
 
 @jax.jit
@@ -215,16 +210,15 @@ def _timers(config: ml_collections.ConfigDict, target, drafter,
   return steps
 
 
-def measure_model(config: ml_collections.ConfigDict, model_config,
-                  bandwidth: float) -> dict:
+def measure_model(config: ml_collections.ConfigDict, model_config) -> dict:
   """One model's row of bench_step.json."""
   run_config = _row_config(config, model_config)
   with (contextlib.nullcontext() if run_config.get("cpu_kernel", True)
         else cpu_matmul.disabled()):
-    return _measure(config, run_config, bandwidth)
+    return _measure(config, run_config)
 
 
-def _measure(config, run_config, bandwidth: float) -> dict:
+def _measure(config, run_config) -> dict:
   shape = run_config.get("shape")
   if shape is None:
     loaded = loading.load_models(run_config)
@@ -236,15 +230,20 @@ def _measure(config, run_config, bandwidth: float) -> dict:
   gammas = config_lib.gammas(config)
   per_batch = {}
   for batch_size in config.batch_sizes:
-    timer = timing.RoundTimer(_timers(run_config, target, drafter,
-                                      batch_size, gammas,
-                                      config.cache_length))
+    first = batch_size == config.batch_sizes[0]
+    timer = timing.RoundTimer(
+        _timers(run_config, target, drafter, batch_size, gammas,
+                config.cache_length), read_calls() if first else None)
     for _ in range(config.rounds):
       timer.time_round()
     per_batch[batch_size] = timer.seconds()
   one = per_batch[config.batch_sizes[0]]
+  reads = {name.removeprefix("read_"): GIB / seconds
+           for name, seconds in one.items() if name.startswith("read_")}
+  bandwidth = max(reads.values())
   row = {
       "weight_bytes": int(weight_bytes), "bandwidth_gb_s": bandwidth / 1e9,
+      "bandwidth_reads_gb_s": {k: v / 1e9 for k, v in reads.items()},
       "step_s": one["step"], "roofline_s": weight_bytes / bandwidth,
       "step_over_roofline": one["step"] * bandwidth / weight_bytes,
       "output_layer_s": one["output_layer"]}
@@ -273,24 +272,21 @@ def _measure(config, run_config, bandwidth: float) -> dict:
 def bench_step(config: ml_collections.ConfigDict) -> dict:
   """{"models": {name: row}} for every installed model of config.models."""
   check_config(config)
-  reads = read_bandwidth(config.rounds)
-  bandwidth = max(reads.values())
-  _log.info("read bandwidth %.1f GB/s", bandwidth / 1e9)
   models = {}
   for name, model_config in config.models.items():
     try:
-      models[name] = measure_model(config, model_config, bandwidth)
+      models[name] = measure_model(config, model_config)
     except loading.NotInstalled as error:  # an optional real model
       _log.info("%s skipped: %s", name, error)
       continue
     row = models[name]
-    _log.info("%s: step %.1f ms = %.2fx the roofline; verify/step %s; "
-              "AR, SD tok/s %s", name, 1e3 * row["step_s"],
-              row["step_over_roofline"], row["verify_cost_ratio"],
+    _log.info("%s: step %.1f ms = %.2fx the roofline (%.1f GB/s); "
+              "verify/step %s; AR, SD tok/s %s", name, 1e3 * row["step_s"],
+              row["step_over_roofline"], row["bandwidth_gb_s"],
+              row["verify_cost_ratio"],
               [round(row[k], 1) for k in ("ar_tokens_per_s", "sd_tokens_per_s")
                if k in row] or "-")
-  return {"models": models, "cpu_kernel": cpu_matmul.isa(),
-          "bandwidth_reads_gb_s": {k: v / 1e9 for k, v in reads.items()}}
+  return {"models": models, "cpu_kernel": cpu_matmul.isa()}
 
 
 def format_table(report: dict) -> str:
