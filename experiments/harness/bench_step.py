@@ -1,8 +1,8 @@
 """What one target step and one verify cost, against the memory roofline.
 
 For each model: the read bandwidth (the faster of a jitted sum and the
-small-row kernel's one-row product, over 1 GiB, timed in the model's rounds
-beside its step), the weight
+small-row kernel's one-row product, over 1 GiB, timed right after the
+model's step), the weight
 bytes, hence the roofline of a step (weight bytes / bandwidth: a decode step
 reads every weight once); the step itself (model call and sampling, over a
 filled cache, in a jitted loop as the decode loop runs it); a verify of
@@ -130,8 +130,8 @@ def _one_row_product(x):
 def read_calls() -> dict:
   """{read name: fn()} over a 1 GiB float32 array: a jitted sum, and (where
   it runs) the small-row kernel's one-row product; the roofline takes the
-  faster. Each model times them in its own rounds, beside its step: this
-  machine's bandwidth moves by half within an hour, with its neighbours."""
+  faster. Each model times them right after its step: this machine's
+  bandwidth moves by half within an hour, with its neighbours."""
   data = jnp.ones((GIB // 4 // 1024, 1024), jnp.float32)
   reads = {"sum": _sum}
   if cpu_matmul.serves(1):
@@ -230,17 +230,22 @@ def _measure(config, run_config) -> dict:
   gammas = config_lib.gammas(config)
   per_batch = {}
   for batch_size in config.batch_sizes:
-    first = batch_size == config.batch_sizes[0]
-    timer = timing.RoundTimer(
-        _timers(run_config, target, drafter, batch_size, gammas,
-                config.cache_length), read_calls() if first else None)
+    timer = timing.RoundTimer(_timers(run_config, target, drafter,
+                                      batch_size, gammas,
+                                      config.cache_length))
     for _ in range(config.rounds):
       timer.time_round()
     per_batch[batch_size] = timer.seconds()
-  one = per_batch[config.batch_sizes[0]]
+  # Right after the model's rounds, not within them: a 1 GiB read between
+  # two timings would evict weights that fit the caches (the built-in
+  # target's) before the next.
+  reads = timing.RoundTimer({}, read_calls())
+  for _ in range(config.rounds):
+    reads.time_round()
   reads = {name.removeprefix("read_"): GIB / seconds
-           for name, seconds in one.items() if name.startswith("read_")}
+           for name, seconds in reads.seconds().items()}
   bandwidth = max(reads.values())
+  one = per_batch[config.batch_sizes[0]]
   row = {
       "weight_bytes": int(weight_bytes), "bandwidth_gb_s": bandwidth / 1e9,
       "bandwidth_reads_gb_s": {k: v / 1e9 for k, v in reads.items()},
