@@ -73,9 +73,9 @@ def test_greedy_adaptive_equals_greedy_target(target_and_draft, name):
     "model", "ngram", pytest.param("layer_skip", marks=pytest.mark.slow),
     pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_no_drafts_where_drafting_cannot_pay(target_and_draft, name):
-  """Costs under which every draft costs 100 steps: after the warm-up (gamma
-  drafts until draft 1 has been tried 8 times: 3 cycles of the first 3
-  prompts, or more for prompt lookup, which drafts only where it finds a
+  """Costs under which every draft costs 100 steps: after the warm-up (one
+  draft a cycle until draft 1 has been tried 8 times: 3 cycles of the first
+  3 prompts, or more for prompt lookup, which drafts only where it finds a
   match), the policy drafts nothing, so every cycle is a plain target step
   (width 1), and the limit reaches the drafter (nothing is drafted), with
   the output unchanged."""
@@ -91,16 +91,16 @@ def test_no_drafts_where_drafting_cannot_pay(target_and_draft, name):
   plain = sj.generate_autoregressive(key, target, padded, lengths, config)
   np.testing.assert_array_equal(spec.tokens, plain.tokens)
   stats = spec.stats
-  warmup = int(np.asarray(stats.limit_cycles)[GAMMA])
+  warmup = int(np.asarray(stats.limit_cycles)[1])
   plain_cycles = int(stats.cycles) - warmup
-  assert np.asarray(stats.limit_cycles).tolist() == [plain_cycles, 0, 0, 0,
-                                                     warmup]
+  assert np.asarray(stats.limit_cycles).tolist() == [plain_cycles, warmup, 0,
+                                                     0, 0]
   assert int(np.asarray(stats.width_cycles)[0]) >= plain_cycles
   if name == "ngram":
     assert warmup >= 3
   else:
     assert warmup == 3
-    assert np.asarray(stats.drafted).tolist() == [3 * GAMMA] * 3 + [0] * 3
+    assert np.asarray(stats.drafted).tolist() == [3] * 3 + [0] * 3
 
 
 def _goodput_by_hand(accepted, tried, decoded_accepted, decoded_tried,
@@ -165,25 +165,30 @@ def test_policy_drafts_the_cost_models_optimum():
                                  2)) == np.argmax(goodput) == 2
 
 
-def test_warmup_explores_until_the_first_draft_is_tried_enough():
+def test_warmup_drafts_until_the_first_draft_is_tried_enough():
   """A prior under which no draft pays (r0 = 0.05): a fresh decode drafts
-  gamma until its rows and decoded prompts have tried draft 1 warmup_tries
-  times, then what the counts choose."""
-  policy = sj.AdaptiveDraftLength(prior_rate=0.05, warmup_tries=8)
+  one token until its rows and decoded prompts have tried draft 1
+  warmup_tries times, then what the counts choose. Under a prior whose K* is
+  1 of gamma = 2 (r0 = 0.7: C = 1, 1.6, 2.2 and E = 1, 1.7, 2.19), the
+  warm-up drafts K*, not gamma."""
   costs, widths = sj.CycleCosts.of(0.1, [1.0, 1.5, 2.0]), (1, 2, 3)
   one = np.ones(1, bool)
-  choose = lambda stats, decoded: int(draft_length.choose(
+  choose = lambda policy, stats, decoded: int(draft_length.choose(
       policy, stats, decoded, one, costs, widths, 2, plain_step=True))
   tried = lambda n, k: sj.DecodeStats.zeros(n, 2, 3).replace(
       accepted_per_position=np.zeros((n, 2), int),
       tried_per_position=np.full((n, 2), k))
-  assert choose(sj.DecodeStats.zeros(1, 2, 3), None) == 2
-  assert choose(tried(1, 7), None) == 2
-  assert choose(tried(1, 3), tried(4, 1)) == 2  # 7 tries in all
+  fresh = sj.DecodeStats.zeros(1, 2, 3)
+  pessimist = sj.AdaptiveDraftLength(prior_rate=0.05, warmup_tries=8)
+  assert choose(pessimist, fresh, None) == 1
+  assert choose(pessimist, tried(1, 7), None) == 1
+  assert choose(pessimist, tried(1, 3), tried(4, 1)) == 1  # 7 tries in all
   # 8 tries, none accepted: K = 0 from here.
-  assert choose(tried(1, 8), None) == 0
-  assert choose(tried(1, 4), tried(2, 2)) == 0
-  assert choose(sj.DecodeStats.zeros(1, 2, 3), tried(1, 8)) == 0
+  assert choose(pessimist, tried(1, 8), None) == 0
+  assert choose(pessimist, tried(1, 4), tried(2, 2)) == 0
+  assert choose(pessimist, fresh, tried(1, 8)) == 0
+  assert choose(sj.AdaptiveDraftLength(prior_rate=0.7, warmup_tries=8),
+                fresh, None) == 1
 
 
 @pytest.mark.parametrize("warmup_tries, drafts", [(8, True), (0, False)])

@@ -239,11 +239,11 @@ def _measure(config, run_config) -> dict:
   # Right after the model's rounds, not within them: a 1 GiB read between
   # two timings would evict weights that fit the caches (the built-in
   # target's) before the next.
-  reads = timing.RoundTimer({}, read_calls())
+  read_timer = timing.RoundTimer({}, read_calls())
   for _ in range(config.rounds):
-    reads.time_round()
+    read_timer.time_round()
   reads = {name.removeprefix("read_"): GIB / seconds
-           for name, seconds in reads.seconds().items()}
+           for name, seconds in read_timer.seconds().items()}  # bytes/s
   bandwidth = max(reads.values())
   one = per_batch[config.batch_sizes[0]]
   row = {
