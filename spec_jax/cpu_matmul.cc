@@ -180,6 +180,16 @@ constexpr int kPanel = 4;
 // left memory idle while a core computed: 9 rows took 1.35-1.4x one row's
 // time. Two panels ahead into L2, 1.05-1.1x.
 constexpr int kAhead = 2;
+// Whether a one-row product of T weights prefetches too. Over SmolLM2's
+// weights on a 2-core Zen 2 (AVX2), a one-row product of every float32
+// matrix took 20-21 ms with no software prefetch in its loop against 24-25 ms
+// with it (XLA's dot: 23-24), while 9 rows took 1.3x as long without it: one
+// row's loop leaves the hardware prefetcher time to keep up, and the
+// software prefetches only compete with it. bfloat16 weights, widened to
+// float32 on AVX2, took 1.35x as long without them. Not measured on
+// AVX-512, which keeps them.
+template <typename T>
+constexpr bool kPrefetchOneRow = kWidth != 8 || !std::is_same_v<T, float>;
 constexpr int kRowTile = kWidth == 16 ? 6 : kWidth == 8 ? 2 : 6;
 
 template <typename V>
@@ -239,7 +249,8 @@ class Prefetcher {
 };
 
 // y[r, p] for rows r < R of x and columns p < P: R x P dot products over k.
-template <typename T, int P, int R>
+// Stream: prefetch the weights ahead (Prefetcher), compiled out where not.
+template <typename T, int P, int R, bool Stream>
 void Tile(const T* x, int64_t ldx, const T* w, int64_t k_size, float* y,
           int64_t ldy, const Ahead& ahead) {
   Vec acc[R][P];
@@ -248,7 +259,7 @@ void Tile(const T* x, int64_t ldx, const T* w, int64_t k_size, float* y,
   Prefetcher prefetcher(ahead, k_size / kWidth + 1);
   int64_t k = 0;
   for (; k + kWidth <= k_size; k += kWidth) {
-    prefetcher.Step();
+    if constexpr (Stream) prefetcher.Step();
     Vec wv[P];
     for (int p = 0; p < P; ++p) wv[p] = Load(w + p * k_size + k);
     for (int r = 0; r < R; ++r) {
@@ -313,18 +324,19 @@ template <typename T>
 using TileFn = void (*)(const T*, int64_t, const T*, int64_t, float*, int64_t,
                         const Ahead&);
 
-template <typename T, int P, int R>
+// TileDp always streams: no AVX-512 CPU turns a one-row stream off.
+template <typename T, int P, int R, bool Stream = true>
 constexpr TileFn<T> TileOf() {
 #ifdef SPEC_JAX_HAS_DP
   if constexpr (std::is_same_v<T, bf16>) return TileDp<P, R>;
 #endif
-  return Tile<T, P, R>;
+  return Tile<T, P, R, Stream>;
 }
 
 template <typename T, int P>
-TileFn<T> TileFor(int rows) {
+TileFn<T> TileFor(int rows, bool stream) {
   switch (rows) {
-    case 1: return TileOf<T, P, 1>();
+    case 1: return stream ? TileOf<T, P, 1>() : TileOf<T, P, 1, false>();
     case 2: return TileOf<T, P, 2>();
     case 3: return TileOf<T, P, 3>();
     case 4: return TileOf<T, P, 4>();
@@ -338,9 +350,11 @@ template <typename T>
 void Columns(const T* x, const T* w, float* y, int64_t m_size, int64_t n_size,
              int64_t k_size, int64_t n_begin, int64_t n_end) {
   int64_t tiles = (m_size + kRowTile - 1) / kRowTile;
+  bool stream = m_size > 1 || kPrefetchOneRow<T>;
   // The first panels have no predecessor to stream them.
   const char* first = reinterpret_cast<const char*>(w + n_begin * k_size);
-  int64_t warm = std::min<int64_t>(kAhead * kPanel, n_end - n_begin);
+  int64_t warm =
+      stream ? std::min<int64_t>(kAhead * kPanel, n_end - n_begin) : 0;
   for (int64_t b = 0; b < warm * k_size * int64_t(sizeof(T)); b += 64)
     Prefetch(first + b);
   for (int64_t n = n_begin; n < n_end;) {
@@ -349,7 +363,8 @@ void Columns(const T* x, const T* w, float* y, int64_t m_size, int64_t n_size,
     for (int64_t t = 0; t < tiles; ++t) {
       int64_t m = t * kRowTile;
       int rows = (int)std::min<int64_t>(kRowTile, m_size - m);
-      TileFn<T> tile = whole ? TileFor<T, kPanel>(rows) : TileFor<T, 1>(rows);
+      TileFn<T> tile = whole ? TileFor<T, kPanel>(rows, stream)
+                             : TileFor<T, 1>(rows, stream);
       Ahead ahead{next_whole ? reinterpret_cast<const char*>(
                                    w + (n + kAhead * kPanel) * k_size)
                              : nullptr,
