@@ -186,7 +186,7 @@ constexpr int kAhead = 2;
 // with it (XLA's dot: 23-24), while 9 rows took 1.3x as long without it: one
 // row's loop leaves the hardware prefetcher time to keep up, and the
 // software prefetches only compete with it. bfloat16 weights, widened to
-// float32 on AVX2, took 1.35x as long without them. Not measured on
+// float32 on AVX2, took 1.36x as long without them. Not measured on
 // AVX-512, which keeps them.
 template <typename T>
 constexpr bool kPrefetchOneRow = kWidth != 8 || !std::is_same_v<T, float>;
