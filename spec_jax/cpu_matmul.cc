@@ -182,12 +182,13 @@ constexpr int kPanel = 4;
 constexpr int kAhead = 2;
 // Whether a one-row product of T weights prefetches too. Over SmolLM2's
 // weights on a 2-core Zen 2 (AVX2), a one-row product of every float32
-// matrix took 20-21 ms with no software prefetch in its loop against 24-25 ms
-// with it (XLA's dot: 23-24), while 9 rows took 1.3x as long without it: one
-// row's loop leaves the hardware prefetcher time to keep up, and the
-// software prefetches only compete with it. bfloat16 weights, widened to
-// float32 on AVX2, took 1.36x as long without them. Not measured on
-// AVX-512, which keeps them.
+// matrix took 19.9-21.0 ms with no software prefetch in its loop against
+// 23.6-25.0 with it, in three runs (XLA's dot: 23.4-24.1), while 9 rows took
+// 1.34x as long without it: one row's loop leaves the hardware prefetcher
+// time to keep up, and the software prefetches only compete with it.
+// bfloat16 weights, widened to float32 on AVX2, took 1.36x as long without
+// them. Measured on Zen 2 only, and applied to every AVX2 build; AVX-512
+// keeps them.
 template <typename T>
 constexpr bool kPrefetchOneRow = kWidth != 8 || !std::is_same_v<T, float>;
 constexpr int kRowTile = kWidth == 16 ? 6 : kWidth == 8 ? 2 : 6;
@@ -336,7 +337,10 @@ constexpr TileFn<T> TileOf() {
 template <typename T, int P>
 TileFn<T> TileFor(int rows, bool stream) {
   switch (rows) {
-    case 1: return stream ? TileOf<T, P, 1>() : TileOf<T, P, 1, false>();
+    case 1:
+      if constexpr (!kPrefetchOneRow<T>)
+        if (!stream) return TileOf<T, P, 1, false>();
+      return TileOf<T, P, 1>();
     case 2: return TileOf<T, P, 2>();
     case 3: return TileOf<T, P, 3>();
     case 4: return TileOf<T, P, 4>();
