@@ -23,8 +23,8 @@ m_i, and m_i toward m, the i.i.d. model's acceptance rate: drafts past K*
 are tried only in explore cycles, and shrinking their few counts toward r0
 would price them at the prior long after the pair has shown its rate (at
 T = 1 the built-in pair accepts about 0.8 at every position, against a
-prior of 0.6). The pools hold the row's own
-counts too, so they weigh a little more than w pseudo-counts would let them.
+prior of 0.6). The pools hold the row's own counts too, so they weigh a
+little more than w pseudo-counts would let them.
 
 A cycle that drafts nothing is a plain target step, the autoregressive
 loop's: no draft pass and no rejection step, so that where no draft pays the
@@ -50,11 +50,11 @@ first cycles, until its first draft has been tried warmup_tries times, draft
 max(K*, 1): a prior that prices drafting below a plain step would otherwise
 start the decode at K = 0, which tries no draft, so that no count would ever
 move it (the built-in pair at T = 0 accepts 0.85 of its drafts and drafted
-nothing). They draft max(K*, 1), not gamma: the first draft's counts move
-the pooled rate m, which prices the drafts past it, so the warm-up need not
-try them, and a warm-up of gamma drafts is dear in a short decode (in the
-gamma sweep each prompt is a decode of 96 tokens, about 26 cycles at T = 1,
-of which 8 warm-up cycles of gamma = 10 drafts would be 11-token verifies).
+nothing). Not gamma: the first draft's counts move the pooled rate m, which
+prices the drafts past it, so the warm-up need not try them, and a warm-up
+of gamma drafts is dear in a short decode (in the gamma sweep each prompt
+is a decode of 96 tokens, about 26 cycles at T = 1, of which 8 warm-up
+cycles of gamma = 10 drafts would be 11-token verifies).
 
 Why the output law is the target's: K* is a function of the counts (the
 rows' and the decoded prompts') and of the cycle's number, which are
