@@ -172,9 +172,11 @@ inline Vec SumEach(const Vec* v) { return v[0]; }
 
 // Output columns per pass over k, and x rows per pass: with AVX-512, 4 x 6 =
 // 24 vector accumulators, 4 weight vectors and 1 x vector fit its 32
-// registers; AVX2 has 16, so 4 x 2. A panel's weights (4 rows of k) stay in
-// L1 while later row tiles reuse them.
+// registers; AVX2 has 16, which 4 x 3 accumulators and 3 x vectors fill when
+// the weights are loaded one at a time (Tile). A panel's weights (4 rows of
+// k) stay in L1 while later row tiles reuse them.
 constexpr int kPanel = 4;
+constexpr int kRegisters = kWidth == 16 ? 32 : 16;
 // How many panels ahead the weights are prefetched, into L2 (Prefetch). Over
 // SmolLM2's weights on a 2-core Zen 4, prefetching one panel ahead into L1
 // left memory idle while a core computed: 9 rows took 1.35-1.4x one row's
@@ -191,7 +193,13 @@ constexpr int kAhead = 2;
 // keeps them.
 template <typename T>
 constexpr bool kPrefetchOneRow = kWidth != 8 || !std::is_same_v<T, float>;
-constexpr int kRowTile = kWidth == 16 ? 6 : kWidth == 8 ? 2 : 6;
+// Rows per tile at most. A tile's FMAs wait on their own accumulators, 4
+// cycles or more each, so a tile of few rows is bound by that latency, not
+// by the FMA units: on a 2-core Zen 2 (AVX2), over SmolLM2's weights and the
+// built-in target's, 9 rows as tiles of 3 took 0.86-0.92 of their time as
+// tiles of 2 and one of 1, and a tile of one row costs about what a tile of
+// two does. So Columns splits M rows evenly into the fewest tiles.
+constexpr int kRowTile = kWidth == 16 ? 6 : kWidth == 8 ? 3 : 6;
 
 template <typename V>
 inline void KeepInRegister(V& v) {
@@ -261,14 +269,29 @@ void Tile(const T* x, int64_t ldx, const T* w, int64_t k_size, float* y,
   int64_t k = 0;
   for (; k + kWidth <= k_size; k += kWidth) {
     if constexpr (Stream) prefetcher.Step();
-    Vec wv[P];
-    for (int p = 0; p < P; ++p) wv[p] = Load(w + p * k_size + k);
-    for (int r = 0; r < R; ++r) {
-      Vec xv = Load(x + r * ldx + k);
-      // Keep x in a register for its P uses: left alone, gcc folds the load
-      // into each FMA, and P loads per row made 9 rows 20% slower.
-      KeepInRegister(xv);
-      for (int p = 0; p < P; ++p) acc[r][p] = Fma(wv[p], xv, acc[r][p]);
+    if constexpr (R * P + P + 1 <= kRegisters) {
+      Vec wv[P];
+      for (int p = 0; p < P; ++p) wv[p] = Load(w + p * k_size + k);
+      for (int r = 0; r < R; ++r) {
+        Vec xv = Load(x + r * ldx + k);
+        // Keep x in a register for its P uses: left alone, gcc folds the
+        // load into each FMA, and P loads per row made 9 rows 20% slower.
+        KeepInRegister(xv);
+        for (int p = 0; p < P; ++p) acc[r][p] = Fma(wv[p], xv, acc[r][p]);
+      }
+    } else {
+      // P weight vectors do not fit beside the accumulators: hold the R x
+      // vectors instead and load each weight vector for its R uses.
+      Vec xv[R];
+      for (int r = 0; r < R; ++r) {
+        xv[r] = Load(x + r * ldx + k);
+        KeepInRegister(xv[r]);
+      }
+      for (int p = 0; p < P; ++p) {
+        Vec wv = Load(w + p * k_size + k);
+        KeepInRegister(wv);
+        for (int r = 0; r < R; ++r) acc[r][p] = Fma(wv, xv[r], acc[r][p]);
+      }
     }
   }
   if (k < k_size) {
@@ -365,8 +388,8 @@ void Columns(const T* x, const T* w, float* y, int64_t m_size, int64_t n_size,
     bool whole = n + kPanel <= n_end;
     bool next_whole = n + (kAhead + 1) * kPanel <= n_end;
     for (int64_t t = 0; t < tiles; ++t) {
-      int64_t m = t * kRowTile;
-      int rows = (int)std::min<int64_t>(kRowTile, m_size - m);
+      int64_t m = t * m_size / tiles;
+      int rows = (int)((t + 1) * m_size / tiles - m);
       TileFn<T> tile = whole ? TileFor<T, kPanel>(rows, stream)
                              : TileFor<T, 1>(rows, stream);
       Ahead ahead{next_whole ? reinterpret_cast<const char*>(
