@@ -9,8 +9,8 @@ the cycles that accepted draft i, and t_{b,i}, those that tried it
 
   E_b(K) = 1 + sum_{i=1..K} prod_{j=1..i} r_{b,j}          expected tokens
   r_{b,i} = (a_{b,i} + w m_i) / (t_{b,i} + w)              row estimate
-  m_i = (sum_b' a_{b',i} + w m) / (sum_b' t_{b',i} + w)     pooled, draft i
-  m = (sum_b',j a_{b',j} + w r0) / (sum_b',j t_{b',j} + w)  pooled, all drafts
+  m_i = (sum_b' a_{b',i} + w m_{i-1}) / (sum_b' t_{b',i} + w)  pooled, draft i
+  m_0 = m = (sum_b',j a_{b',j} + w r0) / (sum_b',j t_{b',j} + w)  all drafts
   C(K) = K c + V(K) for K >= 1, C(0) = 1                   cost, in steps
 
 where c is a draft pass, V(K) the verify pass of the narrowest compiled
@@ -19,12 +19,17 @@ this batch size and passed in as data (`CycleCosts`), and r0, w the prior
 (`AdaptiveDraftLength`). The pools are the counts of every row and of every
 prompt already decoded (an empirical-Bayes prior), so a refilled row starts
 at what the pair has shown, not at r0. Each row's estimate shrinks toward
-m_i, and m_i toward m, the i.i.d. model's acceptance rate: drafts past K*
-are tried only in explore cycles, and shrinking their few counts toward r0
-would price them at the prior long after the pair has shown its rate (at
-T = 1 the built-in pair accepts about 0.8 at every position, against a
-prior of 0.6). The pools hold the row's own counts too, so they weigh a
-little more than w pseudo-counts would let them.
+m_i, m_i toward the draft before it, m_{i-1}, and m_1 toward m, the i.i.d.
+model's acceptance rate. Drafts past K* are tried only in explore cycles,
+so their few counts need a prior that the pair has shown: r0 would price
+them at 0.6 long after the pair has shown 0.8 (the built-in pair at T = 1),
+and m, which the first drafts' many counts weigh most, would price them at
+the first drafts' rate, while a draft whose predecessors were all accepted
+sits in an easy stretch and is accepted more often (the built-in pair at
+T = 0: 0.78 at the first draft, 0.94-1.00 from the sixth; gamma sweep). The
+nearest draft tried is the closest evidence. The pools hold the row's own
+counts too, so they weigh a little more than w pseudo-counts would let
+them.
 
 A cycle that drafts nothing is a plain target step, the autoregressive
 loop's: no draft pass and no rejection step, so that where no draft pays the
@@ -181,7 +186,10 @@ def choose(policy: AdaptiveDraftLength, stats: DecodeStats,
   estimate = functools.partial(theory.conditional_acceptance_estimate,
                                prior_weight=policy.prior_weight)
   rate = estimate(accepted.sum(), tried.sum(), policy.prior_rate)  # []
-  pooled_rate = estimate(accepted, tried, rate)  # [G]
+  pooled_rate = [rate]  # m_0 = m, then m_1 .. m_G
+  for i in range(accepted.shape[0]):
+    pooled_rate.append(estimate(accepted[i], tried[i], pooled_rate[-1]))
+  pooled_rate = jnp.stack(pooled_rate[1:])  # [G]
   conditional = estimate(stats.accepted_per_position,
                          stats.tried_per_position, pooled_rate)  # [B, G]
   cost = cycle_cost(costs, widths, gamma, plain_step)

@@ -112,9 +112,11 @@ def _goodput_by_hand(accepted, tried, decoded_accepted, decoded_tried,
   pooled_tried = pooled(tried, decoded_tried)
   rate = ((pooled_accepted.sum() + prior_weight * prior_rate)
           / (pooled_tried.sum() + prior_weight))
-  m = ((pooled_accepted + prior_weight * rate)
-       / (pooled_tried + prior_weight))
-  r = (accepted + prior_weight * m) / (tried + prior_weight)
+  m_1 = ((pooled_accepted[0] + prior_weight * rate)
+         / (pooled_tried[0] + prior_weight))
+  m_2 = ((pooled_accepted[1] + prior_weight * m_1)
+         / (pooled_tried[1] + prior_weight))
+  r = (accepted + prior_weight * np.array([m_1, m_2])) / (tried + prior_weight)
   emitted = np.stack([np.ones(len(r)), 1 + r[:, 0], 1 + r[:, 0] + r.prod(1)],
                      1)
   return (emitted * active[:, None]).sum(0) / cost
@@ -154,8 +156,8 @@ def test_policy_drafts_the_cost_models_optimum():
   assert int(draft_length.choose(policy, fresh, decoded, one, costs, widths,
                                  2)) == np.argmax(goodput) == 2
   # Prompts that tried only the first draft (36 of 40 accepted): the second
-  # is priced at the decode's rate over all drafts (0.88), not at the prior
-  # (0.5), and 2 drafts pay.
+  # is priced at the first's pooled rate (0.90), not at the prior (0.5),
+  # and 2 drafts pay.
   decoded = decoded.replace(
       accepted_per_position=np.array([[9, 0]] * 4),
       tried_per_position=np.array([[10, 0]] * 4))
@@ -163,6 +165,32 @@ def test_policy_drafts_the_cost_models_optimum():
                              decoded.tried_per_position, one, 0.5, 2, cost)
   assert int(draft_length.choose(policy, fresh, decoded, one, costs, widths,
                                  2)) == np.argmax(goodput) == 2
+
+
+def test_untried_drafts_are_priced_at_the_draft_before_them():
+  """Acceptance that rises with the position, as a draft model's in an easy
+  stretch: the decoded prompts accepted draft 1 in 50 of 100 cycles and
+  draft 2 in 50 of 50, and never tried draft 3. Priced at draft 2's pooled
+  rate (0.98), draft 3 pays at a verify of 4 tokens costing 1.2 steps;
+  priced at the rate over all drafts (0.66), the estimate before m_i was
+  chained, it would not."""
+  policy = sj.AdaptiveDraftLength(prior_rate=0.5, prior_weight=2,
+                                  warmup_tries=0)
+  decoded = sj.DecodeStats.zeros(1, 3, 4).replace(
+      accepted_per_position=np.array([[50, 50, 0]]),
+      tried_per_position=np.array([[100, 50, 0]]))
+  costs = sj.CycleCosts.of(0.0, [1.0, 1.0, 1.0, 1.2])
+  cost = np.array([1.0, 1.0, 1.0, 1.2])
+  fresh, one = sj.DecodeStats.zeros(1, 3, 4), np.ones(1, bool)
+  assert int(draft_length.choose(policy, fresh, decoded, one, costs,
+                                 (1, 2, 3, 4), 3)) == 3
+  goodput = lambda m: np.concatenate([[1], 1 + np.cumsum(np.cumprod(m))]) / cost
+  rate = (100 + 2 * 0.5) / (150 + 2)
+  m_1 = (50 + 2 * rate) / (100 + 2)
+  m_2 = (50 + 2 * m_1) / (50 + 2)
+  assert np.argmax(goodput([m_1, m_2, m_2])) == 3
+  unchained = [(50 + 2 * rate) / (100 + 2), (50 + 2 * rate) / (50 + 2), rate]
+  assert np.argmax(goodput(unchained)) == 2
 
 
 def test_warmup_drafts_until_the_first_draft_is_tried_enough():
