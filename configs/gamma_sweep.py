@@ -24,6 +24,11 @@ def get_config(arg=None):
   # One more run per temperature: the adaptive draft length, drafting up to
   # max(gammas), beside the gammas in the same run.
   config.adaptive_row = True
+  # Every verify width, as the gamma rows have: the policy drafts the
+  # length whose verify pays, and a width the buckets skipped would price
+  # its length at the next wider verify (a few seconds more to compile and
+  # calibrate).
+  config.adaptive_verify_buckets = max(config.gammas) + 1
   del config["gamma"]  # set per row from gammas
   if arg == "runlocal":
     config.gammas = (1, 2)
