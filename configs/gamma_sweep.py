@@ -29,6 +29,12 @@ def get_config(arg=None):
   # its length at the next wider verify (a few seconds more to compile and
   # calibrate).
   config.adaptive_verify_buckets = max(config.gammas) + 1
+  # With adaptive_row: every gamma's SD decode and the policy's, and nothing
+  # else, take turns prompt by prompt in this many turns, each with its own
+  # key, after the rows (about a minute per temperature). The rows are timed
+  # minutes apart, each beside its own AR runs and timers, and between two
+  # runs a row moved more than neighbouring gammas differ.
+  config.head_to_head_turns = 5
   del config["gamma"]  # set per row from gammas
   if arg == "runlocal":
     config.gammas = (1, 2)
@@ -36,4 +42,5 @@ def get_config(arg=None):
     config.max_new_tokens = 8
     config.adaptive_row = False  # its calibration and loop compile too
     config.timing_repeats = 1
+    config.head_to_head_turns = 1
   return config

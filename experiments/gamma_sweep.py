@@ -32,7 +32,7 @@ def main(argv):
   if adaptive_rows:
     print(gamma_sweep.format_adaptive_table(adaptive_rows))
   for name in ("best_gamma_measured", "best_gamma_predicted",
-               "adaptive_over_best_measured"):
+               "adaptive_over_best_measured", "head_to_head"):
     if name in result:
       print(f"{name}: {result[name]}")
   workdir = _WORKDIR.value

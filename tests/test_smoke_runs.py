@@ -142,6 +142,13 @@ def test_gamma_sweep_smoke_run_writes_json_csv_and_plots(tiny_models, tmp_path):
   assert len(adaptive["limit_cycles"]) == 3 and sum(adaptive["limit_cycles"])
   assert sweep["adaptive_over_best_measured"]["0"] == pytest.approx(
       adaptive["speedup"] / best["speedup"])
+  # Then every gamma and the policy head to head.
+  versus = sweep["head_to_head"]["0"]
+  assert set(versus["seconds"]) == {"gamma_1", "gamma_2", "adaptive"}
+  fastest = min(versus["seconds"]["gamma_1"], versus["seconds"]["gamma_2"])
+  assert versus["seconds"][f"gamma_{versus['best_gamma']}"] == fastest
+  assert versus["adaptive_over_best"] == pytest.approx(
+      fastest / versus["seconds"]["adaptive"])
   assert (tmp_path / "sweep.csv").read_text().count("\n") == 3
   for name in ("tokens_per_cycle", "speedup", "acceptance_by_position"):
     assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"

@@ -144,6 +144,20 @@ def groups_of(prompts: loading.Prompts) -> list[list[int]]:
   return list(groups.values())
 
 
+def adaptive_costs(loaded: loading.Loaded, decode_config: DecodeConfig,
+                   all_batches: list):
+  """The adaptive draft length's costs (`timing.calibrate_cycle_costs`) at
+  the batches' size and the longest cache the decode runs with; None for a
+  fixed gamma."""
+  if decode_config.adaptive is None:
+    return None
+  ids, _ = all_batches[0]
+  width = max(ids.shape[1] for ids, _ in all_batches)
+  max_len = width + decode_config.max_new_tokens + decode_config.gamma + 1
+  return timing.calibrate_cycle_costs(loaded.target.model, loaded.drafter,
+                                      ids.shape[0], max_len, decode_config)
+
+
 def compare_at(config: ml_collections.ConfigDict, loaded: loading.Loaded,
                prompts, temperature: float, *, gamma=None,
                seed_offset: int = 0, mesh=None, timers=()) -> dict:
@@ -161,16 +175,9 @@ def compare_at(config: ml_collections.ConfigDict, loaded: loading.Loaded,
       config, temperature, gamma=gamma, eos_id=loaded.target.stop_ids)
   groups = groups_of(prompts)
   all_batches = batches(prompt_ids, config.batch_size, groups)
-  costs = None
-  if decode_config.adaptive is not None:
-    # At the batch size and the longest cache the decode runs with.
-    width = max(ids.shape[1] for ids, _ in all_batches)
-    max_len = width + config.max_new_tokens + decode_config.gamma + 1
-    costs = timing.calibrate_cycle_costs(loaded.target.model, loaded.drafter,
-                                         config.batch_size, max_len,
-                                         decode_config)
   run = decoders(loaded, decode_config,
-                 jax.random.key(config.seed + seed_offset), mesh, costs)
+                 jax.random.key(config.seed + seed_offset), mesh,
+                 adaptive_costs(loaded, decode_config, all_batches))
   compiling = first_of_each_width(all_batches)
   warmup = timing.interleave(run, [all_batches[i] for i in compiling])
   timed = timing.interleave(run, all_batches, config.timing_repeats, timers)

@@ -15,7 +15,12 @@ and sets the measurements beside what they predict:
 
 With `adaptive_row`, each temperature gets one more run: the adaptive draft
 length (`spec_jax.draft_length`), drafting up to the largest gamma, so that
-the policy's speedup stands beside the best gamma's in the same run.
+the policy's speedup stands beside the best gamma's in the same run. Each
+row is timed beside its own AR runs and component timers, minutes from the
+others, and on a shared 2-core machine a row's speedup moves between runs by
+more than neighbouring gammas differ; so the sweep ends with a head-to-head
+stage (`head_to_head_turns`): every gamma's SD decode and the policy's, and
+nothing else, take turns prompt by prompt (`head_to_head`).
 
 AR decoding does not depend on gamma, so the AR time and the target step are
 pooled over each temperature's rows: the median of every row's AR runs (each
@@ -27,6 +32,7 @@ import concurrent.futures
 import logging
 import time
 
+import jax
 import ml_collections
 import numpy as np
 
@@ -118,6 +124,49 @@ def adaptive_row_of(run: dict, ar_seconds: float) -> dict:
   }
 
 
+def head_to_head(config: ml_collections.ConfigDict, loaded: loading.Loaded,
+                 prompts: loading.Prompts, temperature: float) -> dict:
+  """Every gamma's SD decode and the adaptive policy's (up to the largest
+  gamma), timed against each other with no AR runs or timers between them:
+  in each of config.head_to_head_turns turns they take turns batch by batch
+  (`timing.interleave`), each turn with its own key, so that at T > 0 the
+  turns average over samples as well as over the machine's slow spells.
+
+  Returns {"seconds": {name: median over turns of its time for every
+  prompt}, "best_gamma": the fastest gamma, "adaptive_over_best": the best
+  gamma's seconds over the policy's}; names are "gamma_<g>" and "adaptive".
+  """
+  prompt_ids = compare.encode(prompts, loaded.target.tokenizer)
+  all_batches = compare.batches(prompt_ids, config.batch_size,
+                                compare.groups_of(prompts))
+  eos_id = loaded.target.stop_ids
+  configs = {f"gamma_{g}": config_lib.decode_config(config, temperature,
+                                                     gamma=g, eos_id=eos_id)
+             for g in config_lib.gammas(config)}
+  adaptive = ml_collections.ConfigDict(config.to_dict())
+  adaptive.policy = "adaptive"
+  configs["adaptive"] = config_lib.decode_config(
+      adaptive, temperature, gamma=max(config_lib.gammas(config)),
+      eos_id=eos_id)
+  costs = {name: compare.adaptive_costs(loaded, decode_config, all_batches)
+           for name, decode_config in configs.items()}
+  seconds = {name: [] for name in configs}
+  for turn in range(config.head_to_head_turns):
+    key = jax.random.key(config.seed + turn)
+    run = {name: compare.decoders(loaded, decode_config, key,
+                                  costs=costs[name])["sd"]
+           for name, decode_config in configs.items()}
+    if turn == 0:  # compile every width outside the timing
+      timing.interleave(run, [all_batches[i] for i in
+                              compare.first_of_each_width(all_batches)])
+    for name, (_, total, _) in timing.interleave(run, all_batches).items():
+      seconds[name].append(total)
+  median = {name: float(np.median(s)) for name, s in seconds.items()}
+  best = min((s, name) for name, s in median.items() if name != "adaptive")
+  return {"seconds": median, "best_gamma": int(best[1].split("_")[1]),
+          "adaptive_over_best": best[0] / median["adaptive"]}
+
+
 def _best(rows: list[dict], key: str) -> dict:
   """The row maximising `key`, overall and per temperature."""
   def pick(candidates):
@@ -169,7 +218,8 @@ def gamma_sweep(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   temperature, the adaptive draft length up to max(gammas) beside its own
   AR runs and priced against the pooled AR time as the gammas are:
   "adaptive_rows" and "adaptive_over_best_measured" (its speedup over the
-  best gamma's, per temperature).
+  best gamma's, per temperature); and with config.head_to_head_turns,
+  "head_to_head" per temperature (`head_to_head`).
   """
   gammas = config_lib.gammas(config)
   temperatures = config_lib.temperatures(config)
@@ -218,6 +268,14 @@ def gamma_sweep(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   result = {"rows": rows,
             "best_gamma_measured": _best(rows, "speedup"),
             "best_gamma_predicted": _best(rows, "predicted_speedup")}
+  if config.get("adaptive_row", False) and config.get("head_to_head_turns"):
+    result["head_to_head"] = {}
+    for temperature in temperatures:
+      versus = head_to_head(config, loaded, prompts, temperature)
+      result["head_to_head"][f"{temperature:g}"] = versus
+      _log.info("T=%g head to head: best gamma %d, adaptive %.3f of its "
+                "speed | %.0f s", temperature, versus["best_gamma"],
+                versus["adaptive_over_best"], time.perf_counter() - start)
   if adaptive_rows:
     best = result["best_gamma_measured"]["by_temperature"]
     result["adaptive_rows"] = adaptive_rows
