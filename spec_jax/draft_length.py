@@ -58,7 +58,7 @@ move it (the built-in pair at T = 0 accepts 0.85 of its drafts and drafted
 nothing). Not gamma: the first draft's counts move the pooled rate m, which
 prices the drafts past it, so the warm-up need not try them, and a warm-up
 of gamma drafts is dear in a short decode (in the gamma sweep each prompt
-is a decode of 96 tokens, about 26 cycles at T = 1, of which 8 warm-up
+is a decode of 96 tokens, about 25 cycles at T = 1, of which 8 warm-up
 cycles of gamma = 10 drafts would be 11-token verifies).
 
 Why the output law is the target's: K* is a function of the counts (the

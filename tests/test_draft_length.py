@@ -172,8 +172,8 @@ def test_untried_drafts_are_priced_at_the_draft_before_them():
   stretch: the decoded prompts accepted draft 1 in 50 of 100 cycles and
   draft 2 in 50 of 50, and never tried draft 3. Priced at draft 2's pooled
   rate (0.98), draft 3 pays at a verify of 4 tokens costing 1.2 steps;
-  priced at the rate over all drafts (0.66), the estimate before m_i was
-  chained, it would not."""
+  priced at the rate over all drafts (0.66), as an estimate that shrinks
+  every draft's pooled rate toward m would price it, it would not."""
   policy = sj.AdaptiveDraftLength(prior_rate=0.5, prior_weight=2,
                                   warmup_tries=0)
   decoded = sj.DecodeStats.zeros(1, 3, 4).replace(
