@@ -151,11 +151,11 @@ def adaptive_costs(loaded: loading.Loaded, decode_config: DecodeConfig,
   fixed gamma."""
   if decode_config.adaptive is None:
     return None
-  ids, _ = all_batches[0]
-  width = max(ids.shape[1] for ids, _ in all_batches)
+  batch_size = all_batches[0][0].shape[0]
+  width = max(prompts.shape[1] for prompts, _ in all_batches)
   max_len = width + decode_config.max_new_tokens + decode_config.gamma + 1
   return timing.calibrate_cycle_costs(loaded.target.model, loaded.drafter,
-                                      ids.shape[0], max_len, decode_config)
+                                      batch_size, max_len, decode_config)
 
 
 def compare_at(config: ml_collections.ConfigDict, loaded: loading.Loaded,

@@ -140,14 +140,14 @@ def head_to_head(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   all_batches = compare.batches(prompt_ids, config.batch_size,
                                 compare.groups_of(prompts))
   eos_id = loaded.target.stop_ids
+  gammas = config_lib.gammas(config)
   configs = {f"gamma_{g}": config_lib.decode_config(config, temperature,
                                                      gamma=g, eos_id=eos_id)
-             for g in config_lib.gammas(config)}
+             for g in gammas}
   adaptive = ml_collections.ConfigDict(config.to_dict())
   adaptive.policy = "adaptive"
   configs["adaptive"] = config_lib.decode_config(
-      adaptive, temperature, gamma=max(config_lib.gammas(config)),
-      eos_id=eos_id)
+      adaptive, temperature, gamma=max(gammas), eos_id=eos_id)
   costs = {name: compare.adaptive_costs(loaded, decode_config, all_batches)
            for name, decode_config in configs.items()}
   seconds = {name: [] for name in configs}
@@ -162,9 +162,9 @@ def head_to_head(config: ml_collections.ConfigDict, loaded: loading.Loaded,
     for name, (_, total, _) in timing.interleave(run, all_batches).items():
       seconds[name].append(total)
   median = {name: float(np.median(s)) for name, s in seconds.items()}
-  best = min((s, name) for name, s in median.items() if name != "adaptive")
-  return {"seconds": median, "best_gamma": int(best[1].split("_")[1]),
-          "adaptive_over_best": best[0] / median["adaptive"]}
+  best = min(gammas, key=lambda g: median[f"gamma_{g}"])
+  return {"seconds": median, "best_gamma": best,
+          "adaptive_over_best": median[f"gamma_{best}"] / median["adaptive"]}
 
 
 def _best(rows: list[dict], key: str) -> dict:
