@@ -29,12 +29,14 @@ def get_config(arg=None):
   # its length at the next wider verify (a few seconds more to compile and
   # calibrate).
   config.adaptive_verify_buckets = max(config.gammas) + 1
-  # With adaptive_row: every gamma's SD decode and the policy's, and nothing
-  # else, take turns prompt by prompt in this many turns, each with its own
-  # key, after the rows (about a minute per temperature). The rows are timed
-  # minutes apart, each beside its own AR runs and timers, and between two
-  # runs a row moved more than neighbouring gammas differ.
-  config.head_to_head_turns = 5
+  # With adaptive_row: every gamma's SD decode and the policy's, each of
+  # every prompt through batch_size refilled rows, and nothing else, take
+  # turns in this many turns, each with its own key, after the rows (about
+  # two minutes per temperature). The rows are timed minutes apart, each
+  # beside its own AR runs and timers, and between two runs a row moved more
+  # than neighbouring gammas differ; at T=1 each turn samples other tokens,
+  # and 10 turns keep that noise to a few percent.
+  config.head_to_head_turns = 10
   del config["gamma"]  # set per row from gammas
   if arg == "runlocal":
     config.gammas = (1, 2)

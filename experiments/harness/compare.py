@@ -54,15 +54,17 @@ def first_of_each_width(all_batches: list) -> list[int]:
 
 
 def decoders(loaded: loading.Loaded, decode_config: DecodeConfig, key,
-             mesh=None, costs=None) -> dict:
+             mesh=None, costs=None, slots=None) -> dict:
   """{"ar": fn, "sd": fn}, each fn(prompts, lengths) -> host DecodeResult;
-  costs: the adaptive draft length's (`timing.calibrate_cycle_costs`)."""
+  costs: the adaptive draft length's (`timing.calibrate_cycle_costs`);
+  slots: the rows the prompts go through (`generate`), None for all at
+  once."""
   target, drafter = loaded.target.model, loaded.drafter
   return {
       "ar": lambda p, n: sharding.to_host(generate_autoregressive(
-          key, target, p, n, decode_config, mesh)),
+          key, target, p, n, decode_config, mesh, slots)),
       "sd": lambda p, n: sharding.to_host(generate(
-          key, target, drafter, p, n, decode_config, mesh, costs=costs)),
+          key, target, drafter, p, n, decode_config, mesh, slots, costs)),
   }
 
 
@@ -145,14 +147,12 @@ def groups_of(prompts: loading.Prompts) -> list[list[int]]:
 
 
 def adaptive_costs(loaded: loading.Loaded, decode_config: DecodeConfig,
-                   all_batches: list):
+                   batch_size: int, width: int):
   """The adaptive draft length's costs (`timing.calibrate_cycle_costs`) at
-  the batches' size and the longest cache the decode runs with; None for a
+  batch_size rows and the cache of prompts padded to width; None for a
   fixed gamma."""
   if decode_config.adaptive is None:
     return None
-  batch_size = all_batches[0][0].shape[0]
-  width = max(prompts.shape[1] for prompts, _ in all_batches)
   max_len = width + decode_config.max_new_tokens + decode_config.gamma + 1
   return timing.calibrate_cycle_costs(loaded.target.model, loaded.drafter,
                                       batch_size, max_len, decode_config)
@@ -175,9 +175,11 @@ def compare_at(config: ml_collections.ConfigDict, loaded: loading.Loaded,
       config, temperature, gamma=gamma, eos_id=loaded.target.stop_ids)
   groups = groups_of(prompts)
   all_batches = batches(prompt_ids, config.batch_size, groups)
+  width = max(padded.shape[1] for padded, _ in all_batches)
   run = decoders(loaded, decode_config,
                  jax.random.key(config.seed + seed_offset), mesh,
-                 adaptive_costs(loaded, decode_config, all_batches))
+                 adaptive_costs(loaded, decode_config, config.batch_size,
+                                width))
   compiling = first_of_each_width(all_batches)
   warmup = timing.interleave(run, [all_batches[i] for i in compiling])
   timed = timing.interleave(run, all_batches, config.timing_repeats, timers)

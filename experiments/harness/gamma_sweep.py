@@ -127,18 +127,21 @@ def adaptive_row_of(run: dict, ar_seconds: float) -> dict:
 def head_to_head(config: ml_collections.ConfigDict, loaded: loading.Loaded,
                  prompts: loading.Prompts, temperature: float) -> dict:
   """Every gamma's SD decode and the adaptive policy's (up to the largest
-  gamma), timed against each other with no AR runs or timers between them:
-  in each of config.head_to_head_turns turns they take turns batch by batch
-  (`timing.interleave`), each turn with its own key, so that at T > 0 the
-  turns average over samples as well as over the machine's slow spells.
+  gamma), timed against each other with no AR runs or timers between them.
+  Each decode runs every prompt through config.batch_size rows, a finished
+  row taking the next prompt (`generate(..., slots=B)`), as a loop over a
+  data set would: the policy's pooled counts then carry from prompt to
+  prompt, where a decode per batch would start each prompt of a few dozen
+  cycles at its prior. In each of config.head_to_head_turns turns the
+  decodes run one after another, each turn with its own key, so that at
+  T > 0 the turns average over samples as well as over the machine's slow
+  spells.
 
   Returns {"seconds": {name: median over turns of its time for every
   prompt}, "best_gamma": the fastest gamma, "adaptive_over_best": the best
   gamma's seconds over the policy's}; names are "gamma_<g>" and "adaptive".
   """
-  prompt_ids = compare.encode(prompts, loaded.target.tokenizer)
-  all_batches = compare.batches(prompt_ids, config.batch_size,
-                                compare.groups_of(prompts))
+  queue = pad_prompts(compare.encode(prompts, loaded.target.tokenizer))
   eos_id = loaded.target.stop_ids
   gammas = config_lib.gammas(config)
   configs = {f"gamma_{g}": config_lib.decode_config(config, temperature,
@@ -148,18 +151,19 @@ def head_to_head(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   adaptive.policy = "adaptive"
   configs["adaptive"] = config_lib.decode_config(
       adaptive, temperature, gamma=max(gammas), eos_id=eos_id)
-  costs = {name: compare.adaptive_costs(loaded, decode_config, all_batches)
+  costs = {name: compare.adaptive_costs(loaded, decode_config,
+                                        config.batch_size, queue[0].shape[1])
            for name, decode_config in configs.items()}
   seconds = {name: [] for name in configs}
   for turn in range(config.head_to_head_turns):
     key = jax.random.key(config.seed + turn)
     run = {name: compare.decoders(loaded, decode_config, key,
-                                  costs=costs[name])["sd"]
+                                  costs=costs[name],
+                                  slots=config.batch_size)["sd"]
            for name, decode_config in configs.items()}
-    if turn == 0:  # compile every width outside the timing
-      timing.interleave(run, [all_batches[i] for i in
-                              compare.first_of_each_width(all_batches)])
-    for name, (_, total, _) in timing.interleave(run, all_batches).items():
+    if turn == 0:  # compiles outside the timing
+      timing.interleave(run, [queue])
+    for name, (_, total, _) in timing.interleave(run, [queue]).items():
       seconds[name].append(total)
   median = {name: float(np.median(s)) for name, s in seconds.items()}
   best = min(gammas, key=lambda g: median[f"gamma_{g}"])
