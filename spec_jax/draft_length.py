@@ -49,8 +49,8 @@ or every 2^k explore_every-th where that loses more than a budget of the
 time (`AdaptiveDraftLength`, `explore_doublings`). Where K* = 0, the
 catch-up before an explore cycle grows with the interval, so it costs a
 share u of the time at any spacing; where u alone exceeds the budget the
-decode stops exploring (the built-in pair's u is 0.003-0.007 steps at batch
-1 and 0.024-0.028 at batch 8 and 32, against a budget of 0.01). The decode's
+decode stops exploring (the built-in pair's u is 0.010-0.011 steps at batch
+1 and 0.02-0.04 at batch 8 and 32, against a budget of 0.01). The decode's
 first cycles, until its first draft has been tried warmup_tries times, draft
 max(K*, 1): a prior that prices drafting below a plain step would otherwise
 start the decode at K = 0, which tries no draft, so that no count would ever

@@ -232,12 +232,15 @@ class DecodeStats:
 
   @property
   def conditional_position_acceptance(self) -> np.ndarray:
-    """[G] P(draft i accepted | drafts before it accepted); NaN where no
-    cycle reached draft i."""
+    """[G] P(draft i accepted | proposed, with the drafts before it
+    accepted); NaN where no cycle tried draft i. Dividing by the cycles that
+    tried it, not by those that accepted draft i - 1, keeps a draft that was
+    not proposed (a cycle of fewer drafts under a draft-length policy, a
+    short lookup match) from counting as rejected."""
     accepted = np.asarray(self.accepted_per_position, np.float64).sum(0)
-    reached = np.concatenate([[float(self.row_cycles.sum())], accepted[:-1]])
-    return np.divide(accepted, reached, out=np.full_like(accepted, np.nan),
-                     where=reached > 0)
+    tried = np.asarray(self.tried_per_position, np.float64).sum(0)
+    return np.divide(accepted, tried, out=np.full_like(accepted, np.nan),
+                     where=tried > 0)
 
   def summary(self) -> dict:
     """Host-side counts and ratios for logs and JSON."""

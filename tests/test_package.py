@@ -130,6 +130,24 @@ def test_stats_add_as_counters():
   assert merged.summary()["tokens_per_cycle"] == merged.tokens_per_cycle
 
 
+def test_conditional_acceptance_counts_only_drafts_proposed():
+  """Four cycles, three drafting one token (two accepted) and one drafting
+  two (both accepted), as under a draft-length policy: draft 2 was tried
+  once and accepted once, so its conditional acceptance is 1, not the 1/3
+  of dividing by every cycle that accepted draft 1."""
+  stats = sj.DecodeStats(cycles=np.int32(4), row_cycles=np.array([4]),
+                         drafted=np.array([5]), accepted=np.array([4]),
+                         accepted_per_position=np.array([[3, 1]]),
+                         tried_per_position=np.array([[4, 1]]),
+                         overlap_sum=np.array([4.0]),
+                         point_mass_sum=np.array([3.0]),
+                         verified=np.array([5]), width_cycles=np.array([3, 1]),
+                         limit_cycles=np.array([0, 3, 1]))
+  np.testing.assert_allclose(stats.conditional_position_acceptance,
+                             [3 / 4, 1.0])
+  assert stats.summary()["conditional_position_acceptance"] == [0.75, 1.0]
+
+
 def test_stats_leave_out_padding_rows():
   stats = sj.DecodeStats(cycles=np.int32(2), row_cycles=np.array([2, 2]),
                          drafted=np.array([4, 4]), accepted=np.array([1, 4]),

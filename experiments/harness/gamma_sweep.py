@@ -269,6 +269,10 @@ def gamma_sweep(config: ml_collections.ConfigDict, loaded: loading.Loaded,
                 "the pooled AR runs | %.0f s", temperature, max(gammas),
                 run["sd"]["tokens_per_cycle"], adaptive_rows[-1]["speedup"],
                 time.perf_counter() - start)
+    # A temperature's rows compile some 40 programs (each gamma's decodes and
+    # timers) that nothing after them reuses; kept, their code exhausted
+    # the process's memory maps in the head-to-head stage.
+    jax.clear_caches()
   result = {"rows": rows,
             "best_gamma_measured": _best(rows, "speedup"),
             "best_gamma_predicted": _best(rows, "predicted_speedup")}
@@ -276,6 +280,7 @@ def gamma_sweep(config: ml_collections.ConfigDict, loaded: loading.Loaded,
     result["head_to_head"] = {}
     for temperature in temperatures:
       versus = head_to_head(config, loaded, prompts, temperature)
+      jax.clear_caches()  # its refilled decodes, one per gamma
       result["head_to_head"][f"{temperature:g}"] = versus
       _log.info("T=%g head to head: best gamma %d, adaptive %.3f of its "
                 "speed | %.0f s", temperature, versus["best_gamma"],
