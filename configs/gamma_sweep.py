@@ -29,10 +29,10 @@ def get_config(arg=None):
   # its length at the next wider verify (a few seconds more to compile and
   # calibrate).
   config.adaptive_verify_buckets = max(config.gammas) + 1
-  # With adaptive_row: every gamma's SD decode and the policy's, each of
+  # With adaptive_row: every gamma's SD decode and the policy's, each running
   # every prompt through batch_size refilled rows, and nothing else, take
-  # turns in this many turns, each with its own key, after the rows (about
-  # two minutes per temperature). The rows are timed minutes apart, each
+  # turns in this many turns, each with its own key, after the rows (3-4
+  # minutes per temperature). The rows are timed minutes apart, each
   # beside its own AR runs and timers, and between two runs a row moved more
   # than neighbouring gammas differ; at T=1 each turn samples other tokens,
   # and 10 turns keep that noise to a few percent.

@@ -57,8 +57,8 @@ start the decode at K = 0, which tries no draft, so that no count would ever
 move it (the built-in pair at T = 0 accepts 0.85 of its drafts and drafted
 nothing). Not gamma: the first draft's counts move the pooled rate m, which
 prices the drafts past it, so the warm-up need not try them, and a warm-up
-of gamma drafts is dear in a short decode (in the gamma sweep each prompt
-is a decode of 96 tokens, about 25 cycles at T = 1, of which 8 warm-up
+of gamma drafts is dear in a short decode (in the gamma sweep's rows each
+prompt is a decode of 96 tokens, about 24 cycles at T = 1, of which 8 warm-up
 cycles of gamma = 10 drafts would be 11-token verifies).
 
 Why the output law is the target's: K* is a function of the counts (the

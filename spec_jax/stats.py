@@ -263,7 +263,7 @@ class DecodeStats:
         "accepted_per_position": [
             int(x) for x in np.asarray(self.accepted_per_position).sum(0)],
         "position_acceptance": self.position_acceptance.tolist(),
-        # None where no cycle reached the position (JSON has no NaN).
+        # None where no cycle tried the draft (JSON has no NaN).
         "conditional_position_acceptance": [
             None if np.isnan(x) else float(x)
             for x in self.conditional_position_acceptance],

@@ -20,7 +20,8 @@ row is timed beside its own AR runs and component timers, minutes from the
 others, and on a shared 2-core machine a row's speedup moves between runs by
 more than neighbouring gammas differ; so the sweep ends with a head-to-head
 stage (`head_to_head_turns`): every gamma's SD decode and the policy's, and
-nothing else, take turns prompt by prompt (`head_to_head`).
+nothing else, each running every prompt through `batch_size` refilled rows,
+take turns (`head_to_head`).
 
 AR decoding does not depend on gamma, so the AR time and the target step are
 pooled over each temperature's rows: the median of every row's AR runs (each
@@ -96,7 +97,8 @@ def row_of(run: dict, costs: timing.Costs, ar_seconds: float) -> dict:
       "predicted_speedup_iid": float(theory.expected_speedup_with_verify_cost(
           alpha, gamma, costs.draft_cost_ratio, costs.verify_cost_ratio)),
       # Fraction of row-cycles that accepted the draft at position i
-      # (1-based), and P(accept i | the drafts before it were accepted).
+      # (1-based), and P(draft i accepted | proposed, with the drafts before
+      # it accepted).
       "accepted_per_position": sd["position_acceptance"],
       "conditional_acceptance_per_position":
           sd["conditional_position_acceptance"],
@@ -280,7 +282,7 @@ def gamma_sweep(config: ml_collections.ConfigDict, loaded: loading.Loaded,
     result["head_to_head"] = {}
     for temperature in temperatures:
       versus = head_to_head(config, loaded, prompts, temperature)
-      jax.clear_caches()  # its refilled decodes, one per gamma
+      jax.clear_caches()  # its refilled decodes, one per gamma and the policy's
       result["head_to_head"][f"{temperature:g}"] = versus
       _log.info("T=%g head to head: best gamma %d, adaptive %.3f of its "
                 "speed | %.0f s", temperature, versus["best_gamma"],
