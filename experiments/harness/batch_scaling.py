@@ -54,9 +54,8 @@ import numpy as np
 
 from experiments.harness import compare, gamma_sweep, loading, records, timing
 from experiments.harness import config as config_lib
-from spec_jax import sharding, theory
-from spec_jax.decoding import (generate, generate_autoregressive,
-                               loop_verify_widths, pad_prompts)
+from spec_jax import theory
+from spec_jax.decoding import loop_verify_widths, pad_prompts
 from spec_jax.draft_length import AdaptiveDraftLength
 
 _log = logging.getLogger(__name__)
@@ -133,14 +132,11 @@ def refill_rows(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   cycle_costs = timing.calibrate_cycle_costs(target, drafter, batch_size,
                                              max_len, adaptive)
   key = jax.random.key(config.seed)
+  fixed_decoders = compare.decoders(loaded, fixed, key, slots=batch_size)
   decoders = {
-      "ar": lambda p, n: sharding.to_host(generate_autoregressive(
-          key, target, p, n, fixed, slots=batch_size)),
-      "fixed": lambda p, n: sharding.to_host(generate(
-          key, target, drafter, p, n, fixed, slots=batch_size)),
-      "adaptive": lambda p, n: sharding.to_host(generate(
-          key, target, drafter, p, n, adaptive, slots=batch_size,
-          costs=cycle_costs)),
+      "ar": fixed_decoders["ar"], "fixed": fixed_decoders["sd"],
+      "adaptive": compare.decoders(loaded, adaptive, key, costs=cycle_costs,
+                                   slots=batch_size)["sd"],
   }
   for decode in decoders.values():  # compiles
     jax.block_until_ready(decode(padded, lengths))
