@@ -13,7 +13,8 @@ from spec_jax.io import files
 
 
 def code_version() -> str:
-  """The git commit of this checkout, with '+dirty' for uncommitted changes."""
+  """The git commit of this checkout, with '+dirty' for uncommitted changes
+  (the installed version outside git; "unknown" for a copy of the tree)."""
   root = os.path.dirname(os.path.dirname(os.path.dirname(
       os.path.abspath(__file__))))
   try:
@@ -23,7 +24,10 @@ def code_version() -> str:
                             capture_output=True, text=True, check=True)
   except (OSError, subprocess.CalledProcessError):
     from importlib import metadata
-    return "spec_jax-" + metadata.version("spec_jax")
+    try:
+      return "spec_jax-" + metadata.version("spec_jax")
+    except metadata.PackageNotFoundError:  # a copy of the tree, not installed
+      return "unknown"
   return commit.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
 
 

@@ -259,6 +259,7 @@ def train(config: ml_collections.ConfigDict, workdir) -> eagle.EagleDrafter:
               "sequences": len(data.train_rows),
               "tokens_seen": config.num_steps * _tokens_per_step(config),
               "train_hours": float(state["seconds"]) / 3600,
+              "device": jax.devices()[0].device_kind,
               "final": curve.records[-1] if curve.records else None,
               "config": config.to_dict()}
   eagle3.save_eagle3(drafter, workdir / "head",
