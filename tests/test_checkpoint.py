@@ -1,5 +1,9 @@
 """Model directories: round trips, bad files, mismatched pairs."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -8,7 +12,7 @@ import spec_jax as sj
 from experiments.harness import compare, loading, train
 from spec_jax.io import checkpoint
 from configs import quickstart as quickstart_configs
-from conftest import tiny_train_config
+from conftest import REPO, tiny_train_config
 
 
 def test_checkpoint_round_trip_gives_identical_logits(tiny_models, tmp_path):
@@ -52,3 +56,26 @@ def test_builtin_pair_loads_and_greedy_sd_equals_ar():
     assert sample["sd_tokens"] == sample["ar_tokens"]
     assert len(sample["sd_tokens"]) > 0
   assert run["sd"]["acceptance_rate"] > 0.3
+
+
+def test_model_loads_onto_the_default_device_whichever_device_wrote_it(
+    tiny_models, tmp_path):
+  # A model written on one device (a CPU) must load where that device does
+  # not exist (a GPU or TPU). Two host devices stand in: written from the
+  # second, it must come back on the first, the default.
+  script = f"""
+import jax
+from spec_jax.io import checkpoint
+model, tokenizer = checkpoint.load_model({str(tiny_models[0])!r})
+params = jax.device_put(model.params, jax.devices()[1])
+checkpoint.save_model({str(tmp_path / "copy")!r},
+                      model.replace(params=params), tokenizer)
+loaded, _ = checkpoint.load_model({str(tmp_path / "copy")!r})
+print(sorted({{str(d) for x in jax.tree.leaves(loaded.params)
+               for d in x.devices()}}))
+"""
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+         "JAX_PLATFORMS": "cpu"}
+  result = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO,
+                          capture_output=True, text=True, check=True)
+  assert result.stdout.split("\n")[-2] == "['cpu:0']", result.stdout

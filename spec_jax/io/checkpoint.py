@@ -57,8 +57,15 @@ def _restore_params(path: pathlib.Path, config: TransformerConfig, mesh,
   shardings on a mesh (each device reads only its shards)."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   expected = abstract_params(config)
-  targets = (sharding.restore_targets(config, mesh, replicate, name)
-             if mesh is not None else None)
+  if mesh is not None:
+    targets = sharding.restore_targets(config, mesh, replicate, name)
+  else:
+    # Named explicitly: orbax would otherwise restore onto the devices that
+    # wrote the checkpoint, which a CPU-written model lacks on a GPU or TPU.
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    targets = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+        expected)
   with ocp.StandardCheckpointer() as checkpointer:
     params = checkpointer.restore(path / "params", targets)
   shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
