@@ -7,7 +7,7 @@ an hour on 2 CPU cores):
 
 SmolLM2-135M-Instruct, on its own greedy replies to requests it writes
 itself and to code requests made from the corpus (self-distillation; about
-2.3 hours on 2 CPU cores, estimated: 7 training-time steps took 1.8 times
+2.4 hours on 2 CPU cores, estimated: 7 training-time steps took twice
 as long as 3 on the built-in head):
 
   python -m experiments.train_eagle --config=configs/train_eagle.py:smollm2 --workdir=/tmp/eagle/smollm2
@@ -93,7 +93,7 @@ def get_config(arg="builtin"):
     # the target's replies.
     config.reduced_vocab = 8192
     config.batch_size = 16
-    config.num_steps = 800  # 3.3M token positions, about 1.5 hours
+    config.num_steps = 800  # 3.3M token positions, about 1.7 hours
     config.eval_every = 50
     config.eval_sequences = 64
   elif arg == "runlocal":
