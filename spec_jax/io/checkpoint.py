@@ -16,7 +16,6 @@ import json
 import pathlib
 
 import jax
-import jax.numpy as jnp
 import tokenizers
 
 from spec_jax import sharding
@@ -53,8 +52,9 @@ def load_tokenizer(path) -> tokenizers.Tokenizer:
 
 def _restore_params(path: pathlib.Path, config: TransformerConfig, mesh,
                     replicate: bool, name: str):
-  """The stored params: on the default device, or straight into their
-  shardings on a mesh (each device reads only its shards)."""
+  """The stored params, cast to the config's dtypes as they are read: on the
+  default device, or straight into their shardings on a mesh (each device
+  reads only its shards)."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   expected = abstract_params(config)
   if mesh is not None:
@@ -106,6 +106,4 @@ def load_model(path, mesh: jax.sharding.Mesh | None = None,
         f" {error}). Re-export or re-train it.") from error
   if mesh is not None:
     return sharding.place(config, params, mesh, replicate, name), tokenizer
-  params = jax.tree.map(lambda x, wanted: jnp.asarray(x, wanted.dtype),
-                        params, abstract_params(config))
   return Model(config, params), tokenizer
