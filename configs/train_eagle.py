@@ -93,7 +93,7 @@ def get_config(arg="builtin"):
     # the target's replies.
     config.reduced_vocab = 8192
     config.batch_size = 16
-    config.num_steps = 800  # 3.3M token positions, about 1.7 hours
+    config.num_steps = 800  # 3.3M token positions
     config.eval_every = 50
     config.eval_sequences = 64
   elif arg == "runlocal":
