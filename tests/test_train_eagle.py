@@ -40,7 +40,8 @@ def test_training_resumes_and_writes_a_learning_curve(tiny_models, tmp_path,
   train_eagle.train(tiny_config(tiny_models[0], num_steps=3), tmp_path)
   assert "self-distillation:" in caplog.text
   caplog.clear()
-  train_eagle.train(tiny_config(tiny_models[0], num_steps=6), tmp_path)
+  config = tiny_config(tiny_models[0], num_steps=6)
+  train_eagle.train(config, tmp_path)
   assert "resumed from step 3" in caplog.text
   assert "self-distillation:" not in caplog.text  # the cache was reused
   record = json.loads((tmp_path / "learning_curve.json").read_text())
@@ -48,7 +49,7 @@ def test_training_resumes_and_writes_a_learning_curve(tiny_models, tmp_path,
   curve = record["evaluations"]
   assert [r["step"] for r in curve] == [3, 6]
   # One top-1 accuracy per training-time step, i.e. per draft position.
-  assert len(curve[-1]["top1"]) == record["config"]["ttt_steps"]
+  assert len(curve[-1]["top1"]) == config.ttt_steps
   assert curve[-1]["tokens_seen"] == 6 * 4 * 32
   assert (tmp_path / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
   metadata = json.loads((tmp_path / "head" / "metadata.json").read_text())
