@@ -16,7 +16,8 @@ randomness is fresh; so each prompt's tokens have the law a decode of that
 prompt alone has. Greedy outputs are each prompt's own greedy decode.
 """
 
-from typing import Callable
+import heapq
+from typing import Callable, Sequence
 
 import flax.struct
 import jax
@@ -79,6 +80,21 @@ class Queue:
     return self.stats.replace(cycles=loop_stats.cycles,
                               width_cycles=loop_stats.width_cycles,
                               limit_cycles=loop_stats.limit_cycles)
+
+
+def loop_iterations(iterations: Sequence[int], slots: int) -> int:
+  """The iterations a refilled loop runs for prompts that take `iterations`
+  [P] (each >= 1: cycles, or AR steps) through `slots` rows: the queue in
+  prompt order, a freed row starting the next prompt at the next iteration.
+
+  Beyond sum(iterations) / slots, what a queue costs is its end: once it is
+  empty, rows that finish early idle while the last prompts finish.
+  """
+  finish = list(iterations[:slots])  # each row's last iteration so far
+  heapq.heapify(finish)
+  for count in iterations[slots:]:
+    heapq.heappush(finish, heapq.heappop(finish) + count)
+  return max(finish, default=0)
 
 
 def put_row(batch, row: jax.Array, one):

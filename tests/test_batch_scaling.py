@@ -68,12 +68,13 @@ def test_crossover_is_the_first_batch_size_where_sd_is_slower():
       ).count("-") == 1
 
 
-def test_refill_steps_count_the_refilled_ar_loops_iterations():
-  # Two rows: prompts of 3 and 5 tokens start; the 3's row takes the 4
-  # (steps 4-7), the 5's row the 1 (step 6); the loop ends after step 7.
-  assert batch_scaling.refill_steps([3, 5, 4, 1], 2) == 7
-  assert batch_scaling.refill_steps([3, 5], 2) == 5
-  assert batch_scaling.refill_steps([2, 2, 2], 1) == 6
+def test_busy_shares_separate_the_queue_order_from_the_queue_end():
+  # Two rows, prompts of 2, 2 and 4 cycles in that order: the 4 starts
+  # third and runs 6 cycles where 4 hold 8 row-cycles of work.
+  shares = batch_scaling.busy_shares([2, 2, 4], 2, 6)
+  assert shares["busy_share"] == 8 / 12
+  # Longest first, the 4 beside the two 2s: 4 cycles, none idle.
+  assert shares["busy_share_longest_first"] == 1.0
 
 
 def test_bad_batch_sizes_are_refused_before_loading(tmp_path):

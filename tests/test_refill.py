@@ -76,10 +76,20 @@ def test_greedy_refilled_decodes_equal_each_prompt_alone(pair, prompts, alone,
   for name in sj.stats.ROW_FIELDS:
     np.testing.assert_array_equal(getattr(spec.stats, name),
                                   getattr(batch.stats, name), err_msg=name)
-  stats = spec.stats
-  # Fewer loop cycles than a decode of one batch of slots rows after
-  # another would run: no row waits for its batch's slowest.
-  assert int(stats.cycles) <= int(stats.row_cycles.sum()) / slots + 3 * MAX_NEW
+  # The loop runs the queue's schedule and no cycle more: a freed row takes
+  # the next prompt at the next cycle, so no row waits for another's
+  # prompt, only for the queue's end.
+  assert int(spec.stats.cycles) == sj.refill.loop_iterations(
+      spec.stats.row_cycles.tolist(), slots)
+
+
+def test_loop_iterations_schedule_the_queue_in_prompt_order():
+  # Two rows: prompts of 3 and 5 iterations start; the 3's row takes the 4
+  # (iterations 4-7), the 5's row the 1 (iteration 6); the loop ends after 7.
+  assert sj.refill.loop_iterations([3, 5, 4, 1], 2) == 7
+  assert sj.refill.loop_iterations([3, 5], 2) == 5
+  assert sj.refill.loop_iterations([3, 5], 4) == 5
+  assert sj.refill.loop_iterations([2, 2, 2], 1) == 6
 
 
 def test_refill_same_seed_same_tokens_and_rows_match_a_batch_decode(

@@ -41,7 +41,14 @@ costs calibrated at this batch size before the runs (`cycle_costs` in the
 row). The refill rows reuse the fixed batches' component costs (the same
 target, drafter and batch size) for their predictions, which the adaptive
 rows leave null (`GAMMA_PREDICTIONS`: they model cycles of gamma drafts);
-their AR steps are the refilled AR loop's iterations (`refill_steps`).
+their AR steps are the refilled AR loop's iterations
+(`refill.loop_iterations`). Each refill row also gives its prompts' cycles
+(`prompt_cycles`), the share of its row-cycles that decoded a prompt
+(`busy_share`; ar_steps_per_sd_cycle / tokens_per_cycle is the same share
+when AR's prompts all run max_new_tokens) and the share the same prompts
+would give queued longest first (`busy_share_longest_first`), an order
+that needs every prompt's cycles in advance: what is left between the two
+is the queue order's, and what is left above the latter, the queue's end.
 """
 
 import dataclasses
@@ -54,7 +61,7 @@ import numpy as np
 
 from experiments.harness import compare, gamma_sweep, loading, records, timing
 from experiments.harness import config as config_lib
-from spec_jax import theory
+from spec_jax import refill, theory
 from spec_jax.decoding import loop_verify_widths, pad_prompts
 from spec_jax.draft_length import AdaptiveDraftLength
 
@@ -96,21 +103,14 @@ def row_of(batch_size: int, run: dict, costs: timing.Costs) -> dict:
   }
 
 
-def refill_steps(num_tokens, slots: int) -> int:
-  """Iterations of an AR loop that decodes prompts emitting num_tokens [P]
-  tokens each through `slots` rows, refilling in prompt order: a row emits
-  one token per iteration, and a freed row starts the next prompt at the
-  next iteration (as `spec_jax.refill` does)."""
-  remaining = list(num_tokens[:slots])
-  queue, steps = list(num_tokens[slots:]), 0
-  while remaining:
-    step = min(remaining)
-    steps += step
-    remaining = [r - step for r in remaining]
-    for index in [i for i, r in enumerate(remaining) if r == 0]:
-      remaining[index] = queue.pop(0) if queue else 0
-    remaining = [r for r in remaining if r > 0]
-  return steps
+def busy_shares(prompt_cycles: list[int], slots: int, cycles: int) -> dict:
+  """The share of a refilled loop's row-cycles (slots x cycles) that decoded
+  a prompt, and the share the same prompts give queued longest first."""
+  total = sum(prompt_cycles)
+  longest_first = refill.loop_iterations(sorted(prompt_cycles, reverse=True),
+                                         slots)
+  return {"busy_share": total / (slots * max(cycles, 1)),
+          "busy_share_longest_first": total / (slots * max(longest_first, 1))}
 
 
 def refill_rows(config: ml_collections.ConfigDict, loaded: loading.Loaded,
@@ -145,7 +145,7 @@ def refill_rows(config: ml_collections.ConfigDict, loaded: loading.Loaded,
   ar_tokens = np.asarray(timed["ar"][0][0].num_tokens)
   ar = {"new_tokens": int(ar_tokens.sum()), "wall_s": timed["ar"][1],
         "tokens_per_s": int(ar_tokens.sum()) / timed["ar"][1],
-        "steps": refill_steps(ar_tokens.tolist(), batch_size)}
+        "steps": refill.loop_iterations(ar_tokens.tolist(), batch_size)}
   rows = []
   for policy in ("fixed", "adaptive"):
     (result,), seconds, _ = timed[policy]
@@ -157,8 +157,11 @@ def refill_rows(config: ml_collections.ConfigDict, loaded: loading.Loaded,
                   "tokens_per_s": new_tokens / seconds,
                   **result.stats.summary()}}
     row = row_of(batch_size, run, costs)
+    prompt_cycles = np.asarray(result.stats.row_cycles).tolist()
     row.update(policy=policy, refill=True, cycles=run["sd"]["cycles"],
-               limit_cycles=run["sd"]["limit_cycles"])
+               limit_cycles=run["sd"]["limit_cycles"],
+               prompt_cycles=prompt_cycles,
+               **busy_shares(prompt_cycles, batch_size, run["sd"]["cycles"]))
     if policy == "adaptive":
       # Its cycles draft 0..gamma tokens: the predictions for cycles of
       # gamma drafts do not apply to it.
