@@ -125,3 +125,36 @@ def test_calibrated_cycle_costs_price_each_compiled_width():
   lookup = timing.calibrate_cycle_costs(
       target, sj.NgramDrafter(target.vocab_size), 2, 48, config, rounds=1)
   assert float(lookup.catch_up) == 0
+
+
+def test_round_timer_ratios_pair_each_round(clock):
+  """A slow spell (1.5x) over round 0 and the reference's part of round 1:
+  the reference's median run is a slow one and the wide pass's is not, so
+  the ratio of medians is 1.33; each round's own ratio is 2, 1.33 and 2,
+  and their median the true 2."""
+  factors = iter([1.0] * 4 + [1.5] * 6 + [1.0] * 6)
+
+  def pass_of(seconds_per_step):
+    return lambda n: clock.sleep(next(factors)
+                                 * (0.01 + seconds_per_step * int(n)))
+
+  timer = timing.RoundTimer({"reference": pass_of(0.005),
+                             "wide": pass_of(0.01)})
+  assert timer.longs == {"reference": 24, "wide": 24}  # no lengthening
+  for _ in range(3):
+    timer.time_round()
+  seconds = timer.seconds()
+  assert seconds["wide"] / seconds["reference"] == pytest.approx(4 / 3)
+  assert timer.ratios("reference") == pytest.approx(
+      {"reference": 1.0, "wide": 2.0})
+
+
+def test_interleave_reverses_the_turns_every_other_repeat(clock):
+  calls = []
+  decoders = {name: (lambda name: lambda x: calls.append((name, x)))(name)
+              for name in ("ar", "sd", "adaptive")}
+  timing.interleave(decoders, [(0,), (1,)], repeats=2)
+  assert calls == [("ar", 0), ("sd", 0), ("adaptive", 0),
+                   ("ar", 1), ("sd", 1), ("adaptive", 1),
+                   ("adaptive", 0), ("sd", 0), ("ar", 0),
+                   ("adaptive", 1), ("sd", 1), ("ar", 1)]

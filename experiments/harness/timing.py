@@ -50,10 +50,11 @@ def interleave(decoders: dict, batches: list, repeats: int = 1,
                timers=()) -> dict:
   """Runs each decoder over every batch, `repeats` times, taking turns.
 
-  Batch by batch the decoders take turns, and before the first batch and
-  after each batch every timer in `timers` (objects with `time_round()`, such
-  as `CycleTimer`) times a round, so that a slow spell of the machine, which
-  on a shared machine lasts seconds, hits all of them alike. A decoder's
+  Batch by batch the decoders take turns (in reverse order every other
+  repeat), and before the first batch and after each batch every timer in
+  `timers` (objects with `time_round()`, such as `CycleTimer`) times a
+  round, so that a slow spell of the machine, which on a shared machine
+  lasts seconds, hits all of them alike. A decoder's
   time is the median over repeats of its time for all the batches: component
   times are medians too, so measured and predicted speedups compare like
   with like. Compile first (run each decoder once on a batch of the same
@@ -74,8 +75,11 @@ def interleave(decoders: dict, batches: list, repeats: int = 1,
   for timer in timers:
     timer.time_round()
   for repeat in range(repeats):
+    # Every other repeat in reverse order: a machine that speeds up or slows
+    # down over a repeat favours neither the first decoder nor the last.
+    order = list(decoders.items())[::-1 if repeat % 2 else 1]
     for index, batch in enumerate(batches):
-      for name, decode in decoders.items():
+      for name, decode in order:
         result, seconds[name][repeat, index] = timed(decode, *batch)
         if repeat == 0:
           results[name].append(result)
@@ -219,6 +223,23 @@ class RoundTimer:
                 / (self.longs[name] - self.short) for name in self.steps}
     return {**per_step, **{name: median[name] for name in self.calls}}
 
+  def ratios(self, reference: str) -> dict:
+    """{name: seconds per step over the reference's}, each the median over
+    rounds of the two slopes' ratio within a round: a round's functions run
+    within seconds of each other, so a slow spell of the machine that spans
+    a round scales a ratio's two sides alike. A ratio of medians taken
+    across rounds keeps it where a spell covers the reference's median
+    round and not the other's: medians of 3 rounds priced every verify of
+    the built-in target at batch 16 a quarter low once, the one-token verify
+    at 0.95 target steps, where paired ratios over 7 rounds give 1.11-1.21.
+    """
+    def slopes(name):  # [rounds]
+      short = np.array(self.runs[name, self.short])
+      long = np.array(self.runs[name, self.longs[name]])
+      return (long - short) / (self.longs[name] - self.short)
+    return {name: float(np.median(slopes(name) / slopes(reference)))
+            for name in self.steps}
+
 
 def _context(target: Model, batch_size: int, max_len: int,
              hidden_layers: tuple[int, ...] = ()):
@@ -349,13 +370,20 @@ class CycleTimer:
 
 def calibrate_cycle_costs(target: Model, drafter, batch_size: int,
                           max_len: int, config: DecodeConfig,
-                          rounds: int = 3) -> CycleCosts:
+                          rounds: int = 7) -> CycleCosts:
   """What the adaptive draft length optimises (`draft_length.CycleCosts`),
   measured at this batch size on a filled cache, as `CycleTimer` measures a
   cycle's parts: a draft step, a verify with its rejection step at each
   width the loop compiles (`decoding.loop_verify_widths`), and a draft
-  model's catch-up per plain step it missed, each over a target step. A few
-  seconds; run it once per program, before the decode.
+  model's catch-up per plain step it missed, each over a target step in
+  the same round (`RoundTimer.ratios`). Seconds to a minute (the built-in
+  pair at batch 16: 35-60 s, compilation included); run it once per
+  program, before the decode.
+
+  rounds: 7, because the policy's choice turns on these ratios where
+  drafting is near break-even: at batch 16 on a 2-core machine, four
+  calibrations of 7 rounds priced the 2-token verify at 1.68-1.84 target
+  steps, where the ratio of 3 rounds' medians gave 1.46-2.02.
   """
   key = jax.random.key(0)
   tokens, lengths, _, target_cache, hidden = _context(
@@ -393,13 +421,11 @@ def calibrate_cycle_costs(target: Model, drafter, batch_size: int,
       **verify})
   for _ in range(rounds):
     timer.time_round()
-  seconds = timer.seconds()
-  step = seconds["target"]
-  catch_up = (max(seconds["propose_behind"] - seconds["propose"], 0.0)
-              / behind / step if behind else 0.0)
-  return CycleCosts.of(seconds["propose"] / config.gamma / step,
-                       [seconds[f"verify_{w}"] / step for w in widths],
-                       catch_up)
+  steps = timer.ratios("target")  # in target steps
+  catch_up = (max(steps["propose_behind"] - steps["propose"], 0.0) / behind
+              if behind else 0.0)
+  return CycleCosts.of(steps["propose"] / config.gamma,
+                       [steps[f"verify_{w}"] for w in widths], catch_up)
 
 
 class EveryNth:
