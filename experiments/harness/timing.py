@@ -54,11 +54,11 @@ def interleave(decoders: dict, batches: list, repeats: int = 1,
   repeat), and before the first batch and after each batch every timer in
   `timers` (objects with `time_round()`, such as `CycleTimer`) times a
   round, so that a slow spell of the machine, which on a shared machine
-  lasts seconds, hits all of them alike. A decoder's
-  time is the median over repeats of its time for all the batches: component
-  times are medians too, so measured and predicted speedups compare like
-  with like. Compile first (run each decoder once on a batch of the same
-  shape), so that no compilation falls inside the timing.
+  lasts seconds, hits all of them alike. A decoder's time is the median
+  over repeats of its time for all the batches: component times are
+  medians too, so measured and predicted speedups compare like with like.
+  Compile first (run each decoder once on a batch of the same shape), so
+  that no compilation falls inside the timing.
 
   Args:
     decoders: {name: fn(*batch) -> result}.
@@ -219,9 +219,15 @@ class RoundTimer:
   def seconds(self) -> dict:
     """{name: seconds per step (steps) or per call (calls)}, so far."""
     median = {key: float(np.median(times)) for key, times in self.runs.items()}
-    per_step = {name: (median[name, self.longs[name]] - median[name, self.short])
-                / (self.longs[name] - self.short) for name in self.steps}
+    per_step = {name: self._slope(name, median[name, self.short],
+                                  median[name, self.longs[name]])
+                for name in self.steps}
     return {**per_step, **{name: median[name] for name in self.calls}}
+
+  def _slope(self, name: str, short, long):
+    """Seconds per step of `name` from its short and long runs' seconds
+    (scalars, or [rounds] arrays)."""
+    return (long - short) / (self.longs[name] - self.short)
 
   def ratios(self, reference: str) -> dict:
     """{name: seconds per step over the reference's}, each the median over
@@ -233,10 +239,9 @@ class RoundTimer:
     the built-in target at batch 16 a quarter low once, the one-token verify
     at 0.95 target steps, where paired ratios over 7 rounds give 1.11-1.21.
     """
-    def slopes(name):  # [rounds]
-      short = np.array(self.runs[name, self.short])
-      long = np.array(self.runs[name, self.longs[name]])
-      return (long - short) / (self.longs[name] - self.short)
+    slopes = lambda name: self._slope(  # [rounds]
+        name, np.array(self.runs[name, self.short]),
+        np.array(self.runs[name, self.longs[name]]))
     return {name: float(np.median(slopes(name) / slopes(reference)))
             for name in self.steps}
 
