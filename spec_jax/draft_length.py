@@ -167,11 +167,40 @@ def cycle_cost(costs: CycleCosts, widths: tuple[int, ...], gamma: int,
   return cost.at[0].set(1.0) if plain_step else cost
 
 
-def choose(policy: AdaptiveDraftLength, stats: DecodeStats,
-           decoded: DecodeStats | None, active, costs: CycleCosts,
-           widths: tuple[int, ...], gamma: int,
-           plain_step: bool = False) -> jax.Array:
-  """K* for this cycle, an int32 scalar (see the module docstring).
+@flax.struct.dataclass
+class Plan:
+  """The policy's choice for as long as its inputs stand: they are the
+  counts and the active rows, which a plain target step leaves as they
+  are, so a loop of plain steps need not choose again until a row finishes
+  or an explore cycle falls due (`decoding._plain_steps`)."""
+
+  drafts: jax.Array  # [] int32, K* (at least 1 in the warm-up).
+  # [] int32, k: explore cycles fall where the cycle's number is a multiple
+  # of explore_every 2^k (`explore_doublings`).
+  doublings: jax.Array
+
+  def explores(self, policy: AdaptiveDraftLength,
+               cycle: jax.Array) -> jax.Array:
+    """[] bool: whether the cycle-th cycle (counted from 1) drafts gamma. A
+    longer interval's explore cycles are among a shorter one's, so the
+    spacing holds as the interval moves."""
+    return ((cycle % policy.explore_every == 0)
+            & ((cycle // policy.explore_every)
+               % jnp.left_shift(1, self.doublings) == 0))
+
+  def draft_length(self, policy: AdaptiveDraftLength, cycle: jax.Array,
+                   gamma: int) -> jax.Array:
+    """K for the cycle-th cycle, [] int32: gamma in an explore cycle."""
+    return jnp.where(self.explores(policy, cycle), gamma,
+                     self.drafts).astype(jnp.int32)
+
+
+def plan(policy: AdaptiveDraftLength, stats: DecodeStats,
+         decoded: DecodeStats | None, active, costs: CycleCosts,
+         widths: tuple[int, ...], gamma: int,
+         plain_step: bool = False) -> Plan:
+  """K* and the explore interval from the counts (see the module
+  docstring).
 
   stats: the rows' counters; decoded: the counters of the prompts already
   decoded (`refill.Queue.stats`; None without a queue). A row's counters
@@ -197,20 +226,24 @@ def choose(policy: AdaptiveDraftLength, stats: DecodeStats,
   # prices an explore cycle.
   best = theory.goodput_optimal_draft_length(conditional, active, cost)
   goodput = theory.expected_goodput(conditional, active, cost)  # [G+1]
-  # Explore cycles fall where cycles + 1 is a multiple of the interval,
-  # explore_every times a power of two: a longer interval's explore cycles
-  # are among a shorter one's, so the spacing holds as the interval moves.
   doublings = explore_doublings(policy, goodput, cost, best,
                                 costs.catch_up if plain_step else 0.0)
-  count = stats.cycles + 1
-  explore = ((count % policy.explore_every == 0)
-             & ((count // policy.explore_every)
-                % jnp.left_shift(1, doublings) == 0))
   # The warm-up drafts K*, but at least one token, so that a prior that
   # prices drafting below a plain step still gets counts.
   warmup = tried[0] < policy.warmup_tries
-  drafts = jnp.where(warmup, jnp.maximum(best, 1), best)
-  return jnp.where(explore, gamma, drafts).astype(jnp.int32)
+  return Plan(drafts=jnp.where(warmup, jnp.maximum(best, 1),
+                               best).astype(jnp.int32),
+              doublings=doublings)
+
+
+def choose(policy: AdaptiveDraftLength, stats: DecodeStats,
+           decoded: DecodeStats | None, active, costs: CycleCosts,
+           widths: tuple[int, ...], gamma: int,
+           plain_step: bool = False) -> jax.Array:
+  """K for the next cycle, an int32 scalar: `plan`'s, gamma in an explore
+  cycle."""
+  return plan(policy, stats, decoded, active, costs, widths, gamma,
+              plain_step).draft_length(policy, stats.cycles + 1, gamma)
 
 
 def explore_doublings(policy: AdaptiveDraftLength, goodput, cost, best,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from spec_jax import draft_length, eagle
+from spec_jax import decoding, draft_length, eagle
 from conftest import tiny_pair
 
 MAX_NEW = 16
@@ -101,6 +101,47 @@ def test_no_drafts_where_drafting_cannot_pay(target_and_draft, name):
   else:
     assert warmup == 3
     assert np.asarray(stats.drafted).tolist() == [3] * 3 + [0] * 3
+
+
+def test_plain_steps_choose_again_only_when_their_inputs_change(
+    target_and_draft, monkeypatch):
+  """The loop of plain steps chooses K again only where a row finishes or
+  an explore cycle falls due (`decoding._plain_steps`). Against a loop that
+  chooses after every plain step (the policy's definition), at T = 1 with
+  refill (12 prompts through 3 rows) and EOS mid-way: the same tokens, token
+  counts and counters, bit for bit, in a run that drafted nothing in most
+  cycles, explored every 8th and finished rows between them."""
+  target, draft = target_and_draft
+  padded, lengths = prompts(12)
+  config = sj.DecodeConfig(
+      gamma=GAMMA, max_new_tokens=MAX_NEW, eos_id=3, verify_buckets=3,
+      adaptive=sj.AdaptiveDraftLength(explore_every=8, explore_budget=1.0,
+                                      warmup_tries=2))
+  # K* = 0 (a cycle of K >= 1 costs 3-5 steps), and an explore cycle loses
+  # under 4 steps, within the budget at every 8th cycle.
+  costs = sj.CycleCosts.of(0.5, [1.0, 2.5, 3.0])
+  run = lambda: sj.generate(jax.random.key(7), target, sj.ModelDrafter(draft),
+                            padded, lengths, config, slots=3, costs=costs)
+  batched = run()
+  monkeypatch.setattr(decoding, "_plain_steps",
+                      lambda state, target, drafter, config, costs:
+                      decoding._plain_step(state, target, config))
+  # A function of its own, so that jit traces the program again (its cache
+  # is keyed by the function) with the one-step loop.
+  def decode(key, target, drafter, prompts, prompt_lengths, config, slots,
+             costs):
+    return decoding._decode(key, target, drafter, prompts, prompt_lengths,
+                            config, slots, costs)
+  monkeypatch.setattr(decoding, "generate_jit", jax.jit(
+      decode, static_argnames=("config", "slots")))
+  each_step = run()
+  np.testing.assert_array_equal(batched.tokens, each_step.tokens)
+  np.testing.assert_array_equal(batched.num_tokens, each_step.num_tokens)
+  jax.tree.map(np.testing.assert_array_equal, batched.stats, each_step.stats)
+  limits = np.asarray(batched.stats.limit_cycles)
+  assert limits[0] > limits[GAMMA] > 0 and limits[0] > limits.sum() / 2, limits
+  num_tokens = np.asarray(batched.num_tokens)
+  assert (num_tokens < MAX_NEW).any() and (num_tokens == MAX_NEW).any()
 
 
 def _goodput_by_hand(accepted, tried, decoded_accepted, decoded_tried,
