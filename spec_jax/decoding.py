@@ -320,10 +320,11 @@ def _count(stats: DecodeStats, cycle: Cycle, active, limit) -> DecodeStats:
   return stats.count_width(cycle.width, limit)
 
 
-def _speculative_step(state: DecodeState, target: Model, drafter: Drafter,
-                      config: DecodeConfig,
-                      costs: CycleCosts | None) -> DecodeState:
-  """One cycle for every row, its tokens emitted and counted."""
+def speculative_step(state: DecodeState, target: Model, drafter: Drafter,
+                     config: DecodeConfig,
+                     costs: CycleCosts | None) -> DecodeState:
+  """The decode loop's cycle for every row, its draft length chosen (under a
+  policy), its tokens emitted and counted."""
   key, propose_key, resample_key = jax.random.split(state.key, 3)
   active = ~state.done
   # The draft limit counted: gamma (a tree's depth) unless a policy chose.
@@ -474,8 +475,8 @@ def _decode(key, target, drafter, prompts, prompt_lengths, config, slots,
   if drafter is None:
     step = lambda state: _autoregressive_step(state, target, config)
   else:
-    step = lambda state: _speculative_step(state, target, drafter, config,
-                                           costs)
+    step = lambda state: speculative_step(state, target, drafter, config,
+                                          costs)
 
   def refilled(step):
     def cycle(state):

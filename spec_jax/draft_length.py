@@ -11,11 +11,14 @@ the cycles that accepted draft i, and t_{b,i}, those that tried it
   r_{b,i} = (a_{b,i} + w m_i) / (t_{b,i} + w)              row estimate
   m_i = (sum_b' a_{b',i} + w m_{i-1}) / (sum_b' t_{b',i} + w)  pooled, draft i
   m_0 = m = (sum_b',j a_{b',j} + w r0) / (sum_b',j t_{b',j} + w)  all drafts
-  C(K) = K c + V(K) for K >= 1, C(0) = 1                   cost, in steps
+  C(K) = K c + V(K) + o for K >= 1, C(0) = 1               cost, in steps
 
 where c is a draft pass, V(K) the verify pass of the narrowest compiled
-width that holds K drafts (`verification.verify_widths`), both measured at
-this batch size and passed in as data (`CycleCosts`), and r0, w the prior
+width that holds K drafts (`verification.verify_widths`) and o the loop's
+own work in a cycle that drafts (emitting and counting the tokens, rolling
+the caches back, choosing K; 0.1-0.5 steps for the built-in pair at batch 1
+to 16), all measured at this batch size and passed in as data
+(`CycleCosts`), and r0, w the prior
 (`AdaptiveDraftLength`). The pools are the counts of every row and of every
 prompt already decoded (an empirical-Bayes prior), so a refilled row starts
 at what the pair has shown, not at r0. Each row's estimate shrinks toward
@@ -42,7 +45,7 @@ drafts in every cycle never falls behind. An explore cycle after K* = 0 pays
 it for every plain step since the last draft (below). (A drafter that cannot
 catch up, the EAGLE head, which reads the target's features of every token,
 runs K = 0 as a cycle of one draft pass and a verify of width 1, with C(0) =
-c + V(1).) Every row drafts K*: a cycle's passes have fixed shapes, so its
+c + V(1) + o.) Every row drafts K*: a cycle's passes have fixed shapes, so its
 cost is set by the longest proposal, and once that is K a row drafting fewer
 saves nothing (`theory`). Every explore_every-th cycle drafts gamma tokens,
 or every 2^k explore_every-th where that loses more than a budget of the
@@ -146,24 +149,29 @@ class CycleCosts:
   # step it missed; 0 for one that reads only the tokens or the target's
   # cache (prompt lookup, layer skip).
   catch_up: jax.Array
+  # [] float32, o: the loop's own work in a cycle that drafts, beyond its
+  # passes: emitting the tokens, counting them, rolling the caches back and
+  # choosing K.
+  overhead: jax.Array
 
   @classmethod
-  def of(cls, draft_step: float, verify,
-         catch_up: float = 0.0) -> "CycleCosts":
+  def of(cls, draft_step: float, verify, catch_up: float = 0.0,
+         overhead: float = 0.0) -> "CycleCosts":
     return cls(jnp.float32(draft_step), jnp.asarray(verify, jnp.float32),
-               jnp.float32(catch_up))
+               jnp.float32(catch_up), jnp.float32(overhead))
 
 
 def cycle_cost(costs: CycleCosts, widths: tuple[int, ...], gamma: int,
                plain_step: bool) -> jax.Array:
   """C(K) for K = 0..gamma: [gamma + 1]. plain_step: a cycle of no drafts
-  is a target step, which costs 1; otherwise a draft pass and a verify of
-  width 1."""
+  is a target step, which costs 1; otherwise a draft pass, a verify of
+  width 1 and the loop's overhead."""
   # The narrowest compiled width that holds K drafts and the last token.
   width_index = [next(i for i, w in enumerate(widths) if w >= k + 1)
                  for k in range(gamma + 1)]
   drafts = jnp.maximum(jnp.arange(gamma + 1), 1)
-  cost = drafts * costs.draft_step + costs.verify[jnp.array(width_index)]
+  cost = (drafts * costs.draft_step + costs.verify[jnp.array(width_index)]
+          + costs.overhead)
   return cost.at[0].set(1.0) if plain_step else cost
 
 

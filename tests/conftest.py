@@ -70,7 +70,7 @@ def loop_cycles(target, drafter, prompts, config, num_cycles=3, seed=2):
   state = decoding._initial_state(  # pylint: disable=protected-access
       jax.random.key(seed), target, drafter, padded, lengths, config,
       len(prompts))
-  step = jax.jit(decoding._speculative_step,  # pylint: disable=protected-access
+  step = jax.jit(decoding.speculative_step,
                  static_argnames="config")
   for _ in range(num_cycles):
     before = state.lengths

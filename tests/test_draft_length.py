@@ -183,6 +183,17 @@ def test_policy_drafts_the_cost_models_optimum():
                                cost)
     assert int(draft_length.choose(policy, stats, None, active, costs,
                                    widths, 2)) == np.argmax(goodput) == want
+  # The loop's overhead (a step per cycle that drafts) against a plain step
+  # that costs 1: drafting no longer pays for that row either.
+  overhead = sj.CycleCosts.of(0.1, [1.0, 1.5, 2.0], overhead=1.0)
+  cost_with_overhead = draft_length.cycle_cost(overhead, widths, 2,
+                                               plain_step=True)
+  np.testing.assert_allclose(cost_with_overhead, [1.0, 2.6, 3.2], rtol=1e-6)
+  goodput = _goodput_by_hand(accepted, tried, none, none, active, 0.5, 2,
+                             np.asarray(cost_with_overhead))
+  assert int(draft_length.choose(policy, stats, None, active, overhead,
+                                 widths, 2, plain_step=True)) == np.argmax(
+                                     goodput) == 0
   # A fresh row: by the prior alone it drafts 1; after prompts whose every
   # draft was accepted (40 of 40), 2.
   fresh = sj.DecodeStats.zeros(1, 2, 3)

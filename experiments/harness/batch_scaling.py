@@ -169,6 +169,7 @@ def refill_rows(config: ml_collections.ConfigDict, loaded: loading.Loaded,
       row["cycle_costs"] = {
           "draft_step": float(cycle_costs.draft_step),
           "catch_up": float(cycle_costs.catch_up),
+          "overhead": float(cycle_costs.overhead),
           "verify_widths": list(loop_verify_widths(drafter, adaptive)),
           "verify": np.asarray(cycle_costs.verify).tolist()}
     rows.append(row)

@@ -37,6 +37,7 @@ from spec_jax.draft_length import CycleCosts
 from spec_jax.drafters import CATCH_UP_WIDTH
 from spec_jax.model import Model
 from spec_jax.sampling import Sampling
+from spec_jax.stats import DecodeStats
 
 
 def timed(fn, *args):
@@ -173,6 +174,26 @@ def _cycle_steps(target: Model, drafter, state, target_cache, tokens, lengths,
 
   return jax.lax.fori_loop(0, num_steps, step,
                            (state, target_cache, jnp.zeros((), jnp.int32)))
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _loop_cycles(target: Model, drafter, state: decoding.DecodeState,
+                 verified, num_steps, config: DecodeConfig, costs):
+  """num_steps of the decode loop's own cycle (`decoding.speculative_step`:
+  the policy's choice, the passes, emitting and counting), each from the
+  same context: the rows' lengths and both caches set back after it."""
+  lengths = state.lengths
+
+  def step(i, state):
+    state = decoding.speculative_step(
+        state.replace(key=jax.random.fold_in(state.key, i)), target, drafter,
+        config, costs)
+    return state.replace(
+        lengths=lengths, done=jnp.zeros_like(state.done),
+        target_cache=state.target_cache.rollback(lengths - 1),
+        draft_state=drafter.update(state.draft_state, lengths - 1, verified))
+
+  return jax.lax.fori_loop(0, num_steps, step, state)
 
 
 class RoundTimer:
@@ -379,9 +400,10 @@ def calibrate_cycle_costs(target: Model, drafter, batch_size: int,
   """What the adaptive draft length optimises (`draft_length.CycleCosts`),
   measured at this batch size on a filled cache, as `CycleTimer` measures a
   cycle's parts: a draft step, a verify with its rejection step at each
-  width the loop compiles (`decoding.loop_verify_widths`), and a draft
-  model's catch-up per plain step it missed, each over a target step in
-  the same round (`RoundTimer.ratios`). Seconds to a minute (the built-in
+  width the loop compiles (`decoding.loop_verify_widths`), a draft model's
+  catch-up per plain step it missed, and the loop's overhead (its cycle of
+  gamma drafts less that cycle's passes), each over a target step in the
+  same round (`RoundTimer.ratios`). Seconds to a minute (the built-in
   pair at batch 16: 35-60 s, compilation included); run it once per
   program, before the decode.
 
@@ -418,19 +440,32 @@ def calibrate_cycle_costs(target: Model, drafter, batch_size: int,
   behind = (min(4 * (CATCH_UP_WIDTH - 1), max_len // 2 - 2)
             if draft_state is not None
             and getattr(drafter, "catches_up", False) else 0)
+  # The loop's cycle at gamma drafts, which costs that make every draft free
+  # choose: what it takes beyond its passes is the overhead o.
+  state = decoding.DecodeState(
+      tokens=tokens, lengths=lengths, prompt_lengths=lengths,
+      done=jnp.zeros(lengths.shape, bool), target_cache=target_cache,
+      draft_state=draft_state, key=key,
+      stats=DecodeStats.zeros(batch_size, drafter.cycle_shape(config.gamma)[1],
+                              len(widths)))
+  free_drafts = CycleCosts.of(0.0, [1.0] * len(widths))
   timer = RoundTimer({
       "target": lambda n: _decode_steps(target, target_cache, tokens[:, 0],
                                         key, n, config.sampling),
       "propose": propose(0),
       **({"propose_behind": propose(behind)} if behind else {}),
-      **verify})
+      **verify,
+      "cycle": lambda n: _loop_cycles(target, drafter, state, verified, n,
+                                      config, free_drafts)})
   for _ in range(rounds):
     timer.time_round()
   steps = timer.ratios("target")  # in target steps
   catch_up = (max(steps["propose_behind"] - steps["propose"], 0.0) / behind
               if behind else 0.0)
+  overhead = steps["cycle"] - steps["propose"] - steps[f"verify_{widths[-1]}"]
   return CycleCosts.of(steps["propose"] / config.gamma,
-                       [steps[f"verify_{w}"] for w in widths], catch_up)
+                       [steps[f"verify_{w}"] for w in widths], catch_up,
+                       max(overhead, 0.0))
 
 
 class EveryNth:
