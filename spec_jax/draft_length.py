@@ -16,7 +16,7 @@ the cycles that accepted draft i, and t_{b,i}, those that tried it
 where c is a draft pass, V(K) the verify pass of the narrowest compiled
 width that holds K drafts (`verification.verify_widths`) and o the loop's
 own work in a cycle that drafts (emitting and counting the tokens, rolling
-the caches back, choosing K; 0.1-0.5 steps for the built-in pair at batch 1
+the caches back, choosing K; 0.0-0.2 steps for the built-in pair at batch 1
 to 16), all measured at this batch size and passed in as data
 (`CycleCosts`), and r0, w the prior
 (`AdaptiveDraftLength`). The pools are the counts of every row and of every
