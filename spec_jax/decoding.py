@@ -491,9 +491,9 @@ def _decode(key, target, drafter, prompts, prompt_lengths, config, slots,
     if _runs_plain_steps(drafter, config):
       # While the policy drafts nothing, plain target steps as AR's, in a
       # loop of their own: no draft pass, no rule, and no conditional
-      # (whose branches XLA would copy the caches for, every cycle). No row
-      # finishes inside `_plain_steps` but in its last step, so the refill
-      # follows it.
+      # (whose branches XLA would copy the caches for, every cycle). Rows
+      # finish only in the last of `_plain_steps`' steps, so refilling
+      # after it loses nothing.
       state = jax.lax.while_loop(
           lambda s: ~jnp.all(s.done) & (
               _choose(s, drafter, config, costs) == 0),

@@ -34,6 +34,7 @@ import numpy as np
 from spec_jax import decoding, theory
 from spec_jax.decoding import DecodeConfig
 from spec_jax.draft_length import CycleCosts
+from spec_jax.kv_cache import KVCache
 from spec_jax.drafters import CATCH_UP_WIDTH
 from spec_jax.model import Model
 from spec_jax.sampling import Sampling
@@ -178,23 +179,33 @@ def _cycle_steps(target: Model, drafter, state, target_cache, tokens, lengths,
 
 @functools.partial(jax.jit, static_argnames="config")
 def _loop_cycles(target: Model, drafter, state: decoding.DecodeState,
-                 verified, num_steps, config: DecodeConfig, costs):
+                 num_steps, config: DecodeConfig, costs):
   """num_steps of the decode loop's own cycle (`decoding.speculative_step`:
   the policy's choice, the passes, emitting and counting), each from the
-  same context: the rows' lengths, both caches and the counters set back
-  after it (so no cycle is an explore cycle)."""
+  same context: the rows' lengths, the caches and the counters set back
+  after it (so every cycle is the first, never an explore cycle)."""
   lengths, stats = state.lengths, state.stats
 
-  def step(i, state):
+  def step(i, carry):
+    state, checksum = carry
     state = decoding.speculative_step(
         state.replace(key=jax.random.fold_in(state.key, i)), target, drafter,
         config, costs)
+    # The counters and flags feed the output, so that XLA keeps the work
+    # that computes them (the statistics read p and q over the vocabulary).
+    checksum += sum(jnp.sum(x.astype(jnp.float32))
+                    for x in jax.tree.leaves((state.stats, state.done)))
+    # A draft model's cache moves back by its pointer; a head re-points its
+    # state from the lengths in propose, and the other drafters keep none.
+    draft_state = state.draft_state
+    if isinstance(draft_state, KVCache):
+      draft_state = draft_state.rollback(lengths - 1)
     return state.replace(
         lengths=lengths, done=jnp.zeros_like(state.done), stats=stats,
         target_cache=state.target_cache.rollback(lengths - 1),
-        draft_state=drafter.update(state.draft_state, lengths - 1, verified))
+        draft_state=draft_state), checksum
 
-  return jax.lax.fori_loop(0, num_steps, step, state)
+  return jax.lax.fori_loop(0, num_steps, step, (state, jnp.zeros(())))
 
 
 class RoundTimer:
@@ -402,9 +413,9 @@ def calibrate_cycle_costs(target: Model, drafter, batch_size: int,
   measured at this batch size on a filled cache, as `CycleTimer` measures a
   cycle's parts: a draft step, a verify with its rejection step at each
   width the loop compiles (`decoding.loop_verify_widths`), a draft model's
-  catch-up per plain step it missed, and the loop's overhead (its cycle of
-  one draft less that cycle's passes), each over a target step in the
-  same round (`RoundTimer.ratios`). Seconds to a minute (the built-in
+  catch-up per plain step it missed, and the loop's overhead (its cycle at
+  the narrowest width that holds a draft less that cycle's passes), each
+  over a target step in the same round (`RoundTimer.ratios`). Seconds to a minute (the built-in
   pair at batch 16: 35-60 s, compilation included); run it once per
   program, before the decode.
 
@@ -441,38 +452,39 @@ def calibrate_cycle_costs(target: Model, drafter, batch_size: int,
   behind = (min(4 * (CATCH_UP_WIDTH - 1), max_len // 2 - 2)
             if draft_state is not None
             and getattr(drafter, "catches_up", False) else 0)
-  # The loop's cycle of one draft, which costs that make only the
-  # narrowest verify that holds it free choose: what it takes beyond its
-  # passes is the overhead o. One draft, not gamma: o is the difference of
-  # two timings, and next to a 9-token verify of 8 steps (batch 8 and up)
-  # their noise swamped it (0 to 0.5 steps from one calibration to the
-  # next); the work it prices (emitting, counting, choosing) has fixed
-  # shapes, the same at every K.
-  one_draft = next(w for w in widths if w >= 2)
+  # The loop's cycle at the narrowest width that holds a draft (w - 1
+  # drafts, which costs that make only the widths up to w free choose):
+  # what it takes beyond its passes is the overhead o. Not gamma's: o is the
+  # difference of two timings, and beside a 9-token verify of 8 steps
+  # (batch 8 and up) their noise swamped it (0 to 0.5 steps from one
+  # calibration to the next); the work it prices (emitting, counting,
+  # choosing) has fixed shapes, the same at every K.
+  narrowest = next(w for w in widths if w >= 2)
   state = decoding.DecodeState(
       tokens=tokens, lengths=lengths, prompt_lengths=lengths,
       done=jnp.zeros(lengths.shape, bool), target_cache=target_cache,
       draft_state=draft_state, key=key,
       stats=DecodeStats.zeros(batch_size, drafter.cycle_shape(config.gamma)[1],
                               len(widths)))
-  one_draft_free = CycleCosts.of(
-      0.0, [1.0 if w <= one_draft else 1e3 for w in widths])
+  narrowest_free = CycleCosts.of(
+      0.0, [1.0 if w <= narrowest else 1e3 for w in widths])
   timer = RoundTimer({
       "target": lambda n: _decode_steps(target, target_cache, tokens[:, 0],
                                         key, n, config.sampling),
       "propose": propose(0),
       **({"propose_behind": propose(behind)} if behind else {}),
       **verify,
-      "cycle": lambda n: _loop_cycles(target, drafter, state, verified, n,
-                                      config, one_draft_free)})
+      "cycle": lambda n: _loop_cycles(target, drafter, state, n, config,
+                                      narrowest_free)})
   for _ in range(rounds):
     timer.time_round()
   steps = timer.ratios("target")  # in target steps
   catch_up = (max(steps["propose_behind"] - steps["propose"], 0.0) / behind
               if behind else 0.0)
-  overhead = (steps["cycle"] - steps["propose"] / config.gamma
-              - steps[f"verify_{one_draft}"])
-  return CycleCosts.of(steps["propose"] / config.gamma,
+  draft_step = steps["propose"] / config.gamma
+  overhead = (steps["cycle"] - (narrowest - 1) * draft_step
+              - steps[f"verify_{narrowest}"])
+  return CycleCosts.of(draft_step,
                        [steps[f"verify_{w}"] for w in widths], catch_up,
                        max(overhead, 0.0))
 
