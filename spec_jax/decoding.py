@@ -357,7 +357,7 @@ def _plan(state: DecodeState, drafter: Drafter, config: DecodeConfig,
 def _choose(state: DecodeState, drafter: Drafter, config: DecodeConfig,
             costs: CycleCosts) -> jax.Array:
   """The draft-length policy's K for the next cycle, [] int32."""
-  return _plan(state, drafter, config, costs).draft_length(
+  return _plan(state, drafter, config, costs).drafts_at(
       config.adaptive, state.stats.cycles + 1, config.gamma)
 
 

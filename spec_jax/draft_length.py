@@ -196,8 +196,8 @@ class Plan:
             & ((cycle // policy.explore_every)
                % jnp.left_shift(1, self.doublings) == 0))
 
-  def draft_length(self, policy: AdaptiveDraftLength, cycle: jax.Array,
-                   gamma: int) -> jax.Array:
+  def drafts_at(self, policy: AdaptiveDraftLength, cycle: jax.Array,
+                gamma: int) -> jax.Array:
     """K for the cycle-th cycle, [] int32: gamma in an explore cycle."""
     return jnp.where(self.explores(policy, cycle), gamma,
                      self.drafts).astype(jnp.int32)
@@ -251,7 +251,7 @@ def choose(policy: AdaptiveDraftLength, stats: DecodeStats,
   """K for the next cycle, an int32 scalar: `plan`'s, gamma in an explore
   cycle."""
   return plan(policy, stats, decoded, active, costs, widths, gamma,
-              plain_step).draft_length(policy, stats.cycles + 1, gamma)
+              plain_step).drafts_at(policy, stats.cycles + 1, gamma)
 
 
 def explore_doublings(policy: AdaptiveDraftLength, goodput, cost, best,

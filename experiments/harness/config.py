@@ -65,7 +65,7 @@ def base_config() -> ml_collections.ConfigDict:
   # gamma + 1 (every width where gamma + 1 is fewer): a cycle pays for the narrowest
   # that holds its drafts, so more widths let it draft nearer its optimum,
   # each one more verify pass compiled into the loop and calibrated. At
-  # gamma 10, 6 widths are 1, 3, 5, 7, 9 and 11.
+  # gamma 8, 6 widths are 1, 2, 4, 5, 7 and 9.
   config.adaptive_verify_buckets = 6
   # For drafter=model or eagle3: () drafts a chain of gamma; branching per
   # depth, e.g. --config.tree=3,2,1,1, draft a tree of that shape instead
