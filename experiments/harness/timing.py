@@ -34,8 +34,8 @@ import numpy as np
 from spec_jax import decoding, theory
 from spec_jax.decoding import DecodeConfig
 from spec_jax.draft_length import CycleCosts
-from spec_jax.kv_cache import KVCache
 from spec_jax.drafters import CATCH_UP_WIDTH
+from spec_jax.kv_cache import KVCache
 from spec_jax.model import Model
 from spec_jax.sampling import Sampling
 from spec_jax.stats import DecodeStats
@@ -415,9 +415,9 @@ def calibrate_cycle_costs(target: Model, drafter, batch_size: int,
   width the loop compiles (`decoding.loop_verify_widths`), a draft model's
   catch-up per plain step it missed, and the loop's overhead (its cycle at
   the narrowest width that holds a draft less that cycle's passes), each
-  over a target step in the same round (`RoundTimer.ratios`). Seconds to a minute (the built-in
-  pair at batch 16: 35-60 s, compilation included); run it once per
-  program, before the decode.
+  over a target step in the same round (`RoundTimer.ratios`). Seconds to a
+  minute (the built-in pair at batch 16: 35-60 s, compilation included);
+  run it once per program, before the decode.
 
   rounds: 7, because the policy's choice turns on these ratios where
   drafting is near break-even: at batch 16 on a 2-core machine, four
