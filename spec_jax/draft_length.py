@@ -42,27 +42,30 @@ cycle that drafts (`drafting.propose`), u steps per plain step behind
 (`CycleCosts.catch_up`, about a draft pass per 7 plain steps). C(0) leaves u
 out: a decode that drafts nothing from here on never pays it, and one that
 drafts in every cycle never falls behind. An explore cycle after K* = 0 pays
-it for every plain step since the last draft (below). (A drafter that cannot
-catch up, the EAGLE head, which reads the target's features of every token,
-runs K = 0 as a cycle of one draft pass and a verify of width 1, with C(0) =
-c + V(1) + o.) Every row drafts K*: a cycle's passes have fixed shapes, so its
-cost is set by the longest proposal, and once that is K a row drafting fewer
-saves nothing (`theory`). Every explore_every-th cycle drafts gamma tokens,
-or every 2^k explore_every-th where that loses more than a budget of the
-time (`AdaptiveDraftLength`, `explore_doublings`). Where K* = 0, the
-catch-up before an explore cycle grows with the interval, so it costs a
-share u of the time at any spacing; where u alone exceeds the budget the
-decode stops exploring (the built-in pair's u is 0.010-0.011 steps at batch
-1 and 0.02-0.04 at batch 8 and 32, against a budget of 0.01). The decode's
-first cycles, until its first draft has been tried warmup_tries times, draft
-max(K*, 1): a prior that prices drafting below a plain step would otherwise
-start the decode at K = 0, which tries no draft, so that no count would ever
-move it (the built-in pair at T = 0 accepts 0.85 of its drafts and drafted
-nothing). Not gamma: the first draft's counts move the pooled rate m, which
-prices the drafts past it, so the warm-up need not try them, and a warm-up
-of gamma drafts is dear in a short decode (in the gamma sweep's rows each
-prompt is a decode of 96 tokens, about 24 cycles at T = 1, of which 8 warm-up
-cycles of gamma = 10 drafts would be 11-token verifies).
+it for every plain step since the last draft (below). A row refilled during
+plain steps starts with an empty draft cache, its prompt fed in the same
+passes (a few more of them, which u leaves out), not in a one-row draft
+prefill that a decode drafting nothing more would never read. (A drafter
+that cannot catch up, the EAGLE head, which reads the target's features of
+every token, runs K = 0 as a cycle of one draft pass and a verify of width
+1, with C(0) = c + V(1) + o.) Every row drafts K*: a cycle's passes have
+fixed shapes, so its cost is set by the longest proposal, and once that is K
+a row drafting fewer saves nothing (`theory`). Every explore_every-th cycle
+drafts gamma tokens, or every 2^k explore_every-th where that loses more
+than a budget of the time (`AdaptiveDraftLength`, `explore_doublings`).
+Where K* = 0, the catch-up before an explore cycle grows with the interval,
+so it costs a share u of the time at any spacing; where u alone exceeds the
+budget the decode stops exploring (the built-in pair's u is 0.010-0.011 steps
+at batch 1 and 0.02-0.04 at batch 8 and 32, against a budget of 0.01). The
+decode's first cycles, until its first draft has been tried warmup_tries
+times, draft max(K*, 1): a prior that prices drafting below a plain step
+would otherwise start the decode at K = 0, which tries no draft, so that no
+count would ever move it (the built-in pair at T = 0 accepts 0.85 of its
+drafts and drafted nothing). Not gamma: the first draft's counts move the
+pooled rate m, which prices the drafts past it, so the warm-up need not try
+them, and a warm-up of gamma drafts is dear in a short decode (in the gamma
+sweep's rows each prompt is a decode of 96 tokens, about 24 cycles at T = 1,
+of which 8 warm-up cycles of gamma = 10 drafts would be 11-token verifies).
 
 Why the output law is the target's: K* is a function of the counts (the
 rows' and the decoded prompts') and of the cycle's number, which are

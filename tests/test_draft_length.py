@@ -103,6 +103,18 @@ def test_no_drafts_where_drafting_cannot_pay(target_and_draft, name):
     assert np.asarray(stats.drafted).tolist() == [3] * 3 + [0] * 3
 
 
+def _trace_again(monkeypatch):
+  """`generate` through a jit of a function of its own, so that the program
+  is traced again (jit's cache is keyed by the function) with what the test
+  patched in `decoding`."""
+  def decode(key, target, drafter, prompts, prompt_lengths, config, slots,
+             costs):
+    return decoding._decode(key, target, drafter, prompts, prompt_lengths,
+                            config, slots, costs)
+  monkeypatch.setattr(decoding, "generate_jit", jax.jit(
+      decode, static_argnames=("config", "slots")))
+
+
 def test_plain_steps_choose_again_only_when_their_inputs_change(
     target_and_draft, monkeypatch):
   """The loop of plain steps chooses K again only where a row finishes or
@@ -126,14 +138,7 @@ def test_plain_steps_choose_again_only_when_their_inputs_change(
   monkeypatch.setattr(decoding, "_plain_steps",
                       lambda state, target, drafter, config, costs:
                       decoding._plain_step(state, target, config))
-  # A function of its own, so that jit traces the program again (its cache
-  # is keyed by the function) with the one-step loop.
-  def decode(key, target, drafter, prompts, prompt_lengths, config, slots,
-             costs):
-    return decoding._decode(key, target, drafter, prompts, prompt_lengths,
-                            config, slots, costs)
-  monkeypatch.setattr(decoding, "generate_jit", jax.jit(
-      decode, static_argnames=("config", "slots")))
+  _trace_again(monkeypatch)
   each_step = run()
   np.testing.assert_array_equal(batched.tokens, each_step.tokens)
   np.testing.assert_array_equal(batched.num_tokens, each_step.num_tokens)
@@ -142,6 +147,51 @@ def test_plain_steps_choose_again_only_when_their_inputs_change(
   assert limits[0] > limits[GAMMA] > 0 and limits[0] > limits.sum() / 2, limits
   num_tokens = np.asarray(batched.num_tokens)
   assert (num_tokens < MAX_NEW).any() and (num_tokens == MAX_NEW).any()
+
+
+@pytest.mark.parametrize("empties_refilled_rows", [
+    True,
+    # The negative control: a refilled row left with the previous prompt's
+    # draft cache drafts from it, and the same comparison fails.
+    pytest.param(False, marks=pytest.mark.slow)])
+def test_rows_refilled_during_plain_steps_draft_as_if_prefilled(
+    target_and_draft, monkeypatch, empties_refilled_rows):
+  """A row refilled while the loop runs plain steps gets an empty draft
+  cache, which the next cycle that drafts catches up with the rest
+  (`decoding._next_prompts`). Against a loop that prefills the draft model
+  at every refill: at T = 1 with refill (12 prompts through 3 rows), K* = 0
+  and an explore cycle every 8th, the same tokens and counters (the
+  overlaps to float rounding: the catch-up passes and a prefill sum in
+  different orders)."""
+  target, draft = target_and_draft
+  padded, lengths = prompts(12)
+  config = sj.DecodeConfig(
+      gamma=GAMMA, max_new_tokens=MAX_NEW, verify_buckets=3,
+      adaptive=sj.AdaptiveDraftLength(explore_every=8, explore_budget=1.0,
+                                      warmup_tries=2))
+  costs = sj.CycleCosts.of(0.5, [1.0, 2.5, 3.0])  # K* = 0, as above
+
+  def run():
+    _trace_again(monkeypatch)
+    return sj.generate(jax.random.key(7), target, sj.ModelDrafter(draft),
+                       padded, lengths, config, slots=3, costs=costs)
+
+  if not empties_refilled_rows:
+    monkeypatch.setattr(decoding, "_emptied", lambda state, row: state)
+  emptied = run()
+  next_prompts = decoding._next_prompts
+  monkeypatch.setattr(
+      decoding, "_next_prompts",
+      lambda state, target, drafter, config, plain=False: next_prompts(
+          state, target, drafter, config))
+  prefilled = run()
+  limits = np.asarray(prefilled.stats.limit_cycles)
+  assert limits[0] > limits[GAMMA] > 0 and limits[0] > limits.sum() / 2, limits
+  same = (np.array_equal(emptied.tokens, prefilled.tokens)
+          and all(jax.tree.leaves(jax.tree.map(
+              lambda a, b: np.allclose(a, b, rtol=1e-5, atol=1e-6),
+              emptied.stats, prefilled.stats))))
+  assert same == empties_refilled_rows
 
 
 def _goodput_by_hand(accepted, tried, decoded_accepted, decoded_tried,
