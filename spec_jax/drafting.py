@@ -30,8 +30,9 @@ a new class (drafters.py has four) and the loop does not change:
                               drafts), its next `propose` catching up on
                               the tokens they emitted. Its state is a
                               KVCache or None: a row refilled during plain
-                              steps gets an emptied cache row, not a
-                              prefill, and `propose` feeds it the prompt too
+                              steps gets an emptied cache row (its pointer
+                              at 0), not a prefill, and `propose` feeds it
+                              the prompt too
 
 Every leaf of a draft state has the batch as its leading axis, so that the
 loop can replace one row's state by a one-row prefill's (refill.py).

@@ -5,15 +5,21 @@ the first B prompts. After every cycle the loop stores the outputs of the
 rows that finished under their prompts' indices (`Queue.flush`) and prefills
 the next queued prompt into each freed row (`refill`), inside the same
 `lax.while_loop`: the row's tokens, lengths and both caches are replaced by
-a one-row prefill's. The loop ends when the queue is empty and every row is
-done, so no row idles while prompts wait, and a fixed batch's cost of
-running every row until the slowest is done is paid once, at the end.
+a one-row prefill's (during a draft-length policy's plain steps the draft
+model's cache row is emptied instead, and the next cycle that drafts catches
+it up: `decoding._next_prompts`). The loop ends when the queue is empty and
+every row is done, so no row idles while prompts wait, and a fixed batch's
+cost of running every row until the slowest is done is paid once, at the
+end.
 
-Why the output law is unchanged: a refilled row starts from exactly the
-state a fresh decode of its prompt starts from (the prefill is the same
-function of the prompt), rows never read each other, and each cycle's
-randomness is fresh; so each prompt's tokens have the law a decode of that
-prompt alone has. Greedy outputs are each prompt's own greedy decode.
+Why the output law is unchanged: a refilled row starts from the state a
+fresh decode of its prompt starts from (the prefill is the same function of
+the prompt; an emptied draft cache, once caught up, holds what the draft's
+prefill would, to float rounding, and the rejection rule keeps the target's
+law whatever q the drafts came from), rows never read each other, and each
+cycle's randomness is fresh; so each prompt's tokens have the law a decode
+of that prompt alone has. Greedy outputs are each prompt's own greedy
+decode.
 """
 
 import heapq

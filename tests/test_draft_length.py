@@ -152,8 +152,10 @@ def test_plain_steps_choose_again_only_when_their_inputs_change(
 @pytest.mark.parametrize("empties_refilled_rows", [
     True,
     # The negative control: a refilled row left with the previous prompt's
-    # draft cache drafts from it, and the same comparison fails.
-    pytest.param(False, marks=pytest.mark.slow)])
+    # draft cache drafts from it, and the same comparison fails. In the
+    # default suite, as it is what shows that the decode refilled rows
+    # during plain steps and drafted for them afterwards.
+    False])
 def test_rows_refilled_during_plain_steps_draft_as_if_prefilled(
     target_and_draft, monkeypatch, empties_refilled_rows):
   """A row refilled while the loop runs plain steps gets an empty draft
