@@ -149,6 +149,23 @@ def test_round_timer_ratios_pair_each_round(clock):
       {"reference": 1.0, "wide": 2.0})
 
 
+def test_round_timer_pairs_a_call_with_a_step_round_by_round(clock):
+  """A read (a call) and a step slowed alike in round 1, as when the
+  machine's bandwidth halves: each round's step over its read is the same,
+  and per_round gives each round's own values."""
+  slow = iter([1, 1, 1, 2, 2, 2, 1, 1, 1])  # per round: short, long, read
+  timer = timing.RoundTimer(
+      {"step": lambda n: clock.sleep(next(slow) * 0.01 * int(n))},
+      {"read": lambda: clock.sleep(next(slow) * 0.5)})
+  slow = iter([1, 1, 1, 2, 2, 2, 1, 1, 1])  # the constructor's calls done
+  for _ in range(3):
+    timer.time_round()
+  assert timer.per_round("step") == pytest.approx([0.01, 0.02, 0.01])
+  assert timer.per_round("read") == pytest.approx([0.5, 1.0, 0.5])
+  assert timer.per_round("step") / timer.per_round("read") == pytest.approx(
+      [0.02] * 3)
+
+
 def test_interleave_reverses_the_turns_every_other_repeat(clock):
   calls = []
   decoders = {name: (lambda name: lambda x: calls.append((name, x)))(name)

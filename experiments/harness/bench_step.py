@@ -1,10 +1,10 @@
 """What one target step and one verify cost, against the memory roofline.
 
 For each model: the read bandwidth (the faster of a jitted sum and the
-small-row kernel's one-row product, over 1 GiB, timed right after the
-model's step), the weight
-bytes, hence the roofline of a step (weight bytes / bandwidth: a decode step
-reads every weight once); the step itself (model call and sampling, over a
+small-row kernel's one-row product, over 1 GiB, timed in the same rounds as
+the model's step), the weight bytes, hence the roofline of a step (weight
+bytes / bandwidth: a decode step reads every weight once) and the step over
+it, paired round by round; the step itself (model call and sampling, over a
 filled cache, in a jitted loop as the decode loop runs it); a verify of
 gamma + 1 tokens with its rejection step, for each gamma, at batch 1 and at
 batch 8, as a ratio to the step at the same batch; the output layer alone;
@@ -29,6 +29,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from experiments.harness import compare, loading, timing
 from experiments.harness import config as config_lib
@@ -130,7 +131,7 @@ def _one_row_product(x):
 def read_calls() -> dict:
   """{read name: fn()} over a 1 GiB float32 array: a jitted sum, and (where
   it runs) the small-row kernel's one-row product; the roofline takes the
-  faster. Each model times them right after its step: this machine's
+  faster. Each model times them in the rounds of its step: this machine's
   bandwidth moves by half within an hour, with its neighbours."""
   data = jnp.ones((GIB // 4 // 1024, 1024), jnp.float32)
   reads = {"sum": _sum}
@@ -228,30 +229,36 @@ def _measure(config, run_config) -> dict:
     drafter = loading.make_drafter(run_config, target)
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
   gammas = config_lib.gammas(config)
-  per_batch = {}
-  for batch_size in config.batch_sizes:
-    timer = timing.RoundTimer(_timers(run_config, target, drafter,
-                                      batch_size, gammas,
-                                      config.cache_length))
-    for _ in range(config.rounds):
-      timer.time_round()
-    per_batch[batch_size] = timer.seconds()
-  # Right after the model's rounds, not within them: a 1 GiB read between
-  # two timings would evict weights that fit the caches (the built-in
-  # target's) before the next.
   read_timer = timing.RoundTimer({}, read_calls())
+  timers = {batch_size: timing.RoundTimer(_timers(
+      run_config, target, drafter, batch_size, gammas, config.cache_length))
+            for batch_size in config.batch_sizes}
+  one = timers[config.batch_sizes[0]]
   for _ in range(config.rounds):
+    # The reads in the same rounds as the one-row step, just before it: this
+    # machine's bandwidth moves by half within an hour with its neighbours,
+    # and a step and a read seconds apart see the same machine. The untimed
+    # step after them brings back weights that fit the caches (the built-in
+    # target's), which a 1 GiB read evicts.
     read_timer.time_round()
-  reads = {name.removeprefix("read_"): GIB / seconds
-           for name, seconds in read_timer.seconds().items()}  # bytes/s
-  bandwidth = max(reads.values())
-  one = per_batch[config.batch_sizes[0]]
+    jax.block_until_ready(one.steps["step"](one.short))
+    for timer in timers.values():
+      timer.time_round()
+  reads = {name: GIB / read_timer.per_round(name)  # [rounds] bytes/s
+           for name in read_timer.calls}
+  bandwidth = np.max(list(reads.values()), axis=0)  # [rounds] the faster read
+  step = one.per_round("step")  # [rounds]
   row = {
-      "weight_bytes": int(weight_bytes), "bandwidth_gb_s": bandwidth / 1e9,
-      "bandwidth_reads_gb_s": {k: v / 1e9 for k, v in reads.items()},
-      "step_s": one["step"], "roofline_s": weight_bytes / bandwidth,
-      "step_over_roofline": one["step"] * bandwidth / weight_bytes,
-      "output_layer_s": one["output_layer"]}
+      "weight_bytes": int(weight_bytes),
+      "bandwidth_gb_s": float(np.median(bandwidth)) / 1e9,
+      "bandwidth_reads_gb_s": {name.removeprefix("read_"):
+                               float(np.median(read)) / 1e9
+                               for name, read in reads.items()},
+      "step_s": one.seconds()["step"],
+      "roofline_s": weight_bytes / float(np.median(bandwidth)),
+      # Paired within each round, then the median.
+      "step_over_roofline": float(np.median(step * bandwidth / weight_bytes)),
+      "output_layer_s": one.seconds()["output_layer"]}
   if shape is None:  # a real model, with a tokenizer and prompts
     run = compare.compare_at(run_config, loaded,
                              loading.load_prompt_set(run_config, loaded), 0.0)
@@ -263,7 +270,8 @@ def _measure(config, run_config) -> dict:
   if config.crossover_rows and cpu_matmul.serves(1):
     row["matmul_crossover"] = matmul_crossover(
         target.params, config.crossover_rows, config.rounds)
-  for batch_size, times in per_batch.items():
+  for batch_size, timer in timers.items():
+    times = timer.seconds()
     suffix = "" if batch_size == config.batch_sizes[0] else (
         f"_batch{batch_size}")
     row["verify_cost_ratio" + suffix] = {

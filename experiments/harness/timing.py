@@ -272,11 +272,17 @@ class RoundTimer:
     the built-in target at batch 16 a quarter low once, the one-token verify
     at 0.95 target steps, where paired ratios over 7 rounds give 1.11-1.21.
     """
-    slopes = lambda name: self._slope(  # [rounds]
-        name, np.array(self.runs[name, self.short]),
-        np.array(self.runs[name, self.longs[name]]))
-    return {name: float(np.median(slopes(name) / slopes(reference)))
+    return {name: float(np.median(self.per_round(name)
+                                  / self.per_round(reference)))
             for name in self.steps}
+
+  def per_round(self, name: str) -> np.ndarray:
+    """[rounds] seconds per step of `name` (a step) or per call (a call),
+    one value per round, for ratios paired within a round."""
+    if name in self.calls:
+      return np.array(self.runs[name])
+    return self._slope(name, np.array(self.runs[name, self.short]),
+                       np.array(self.runs[name, self.longs[name]]))
 
 
 def _context(target: Model, batch_size: int, max_len: int,
