@@ -123,6 +123,9 @@ class DecodeState:
   stats: DecodeStats | None
   # The prompts still to decode, when there are more than rows (refill.py).
   queue: Queue | None = None
+  # The draft-length policy's plan for the next cycle (None without one),
+  # made once per loop iteration, after its refill (`loop_cycle`).
+  plan: draft_length.Plan | None = None
 
 
 def _emit(
@@ -324,16 +327,15 @@ def _count(stats: DecodeStats, cycle: Cycle, active, limit) -> DecodeStats:
 
 
 def speculative_step(state: DecodeState, target: Model, drafter: Drafter,
-                     config: DecodeConfig,
-                     costs: CycleCosts | None) -> DecodeState:
-  """The decode loop's cycle for every row, its draft length chosen (under a
-  policy), its tokens emitted and counted."""
+                     config: DecodeConfig) -> DecodeState:
+  """The decode loop's cycle for every row, with the draft length the
+  state's plan gives (under a policy), its tokens emitted and counted."""
   key, propose_key, resample_key = jax.random.split(state.key, 3)
   active = ~state.done
   # The draft limit counted: gamma (a tree's depth) unless a policy chose.
   max_drafts, limit = None, drafter.cycle_shape(config.gamma)[1]
   if config.adaptive is not None:
-    max_drafts = limit = _choose(state, drafter, config, costs)
+    max_drafts = limit = _drafts(state, config)
   cycle = speculative_cycle(propose_key, resample_key, target, drafter,
                             state.draft_state, state.target_cache,
                             state.tokens, state.lengths, active, config,
@@ -347,21 +349,23 @@ def speculative_step(state: DecodeState, target: Model, drafter: Drafter,
                                              limit))
 
 
-def _plan(state: DecodeState, drafter: Drafter, config: DecodeConfig,
-          costs: CycleCosts) -> draft_length.Plan:
-  """The draft-length policy's plan from the state's counts."""
+def with_plan(state: DecodeState, drafter: Drafter | None,
+              config: DecodeConfig, costs: CycleCosts | None) -> DecodeState:
+  """The state with the draft-length policy's plan from its counts (as it
+  is without a policy)."""
+  if drafter is None or config.adaptive is None:
+    return state
   decoded = None if state.queue is None else state.queue.stats
-  return draft_length.plan(config.adaptive, state.stats, decoded,
-                           ~state.done, costs,
-                           loop_verify_widths(drafter, config), config.gamma,
-                           _runs_plain_steps(drafter, config))
+  return state.replace(plan=draft_length.plan(
+      config.adaptive, state.stats, decoded, ~state.done, costs,
+      loop_verify_widths(drafter, config), config.gamma,
+      _runs_plain_steps(drafter, config)))
 
 
-def _choose(state: DecodeState, drafter: Drafter, config: DecodeConfig,
-            costs: CycleCosts) -> jax.Array:
+def _drafts(state: DecodeState, config: DecodeConfig) -> jax.Array:
   """The draft-length policy's K for the next cycle, [] int32."""
-  return _plan(state, drafter, config, costs).drafts_at(
-      config.adaptive, state.stats.cycles + 1, config.gamma)
+  return state.plan.drafts_at(config.adaptive, state.stats.cycles + 1,
+                              config.gamma)
 
 
 def _runs_plain_steps(drafter: Drafter | None, config: DecodeConfig) -> bool:
@@ -381,16 +385,15 @@ def _plain_step(state: DecodeState, target: Model,
   return _autoregressive_step(state, target, config).replace(stats=stats)
 
 
-def _plain_steps(state: DecodeState, target: Model, drafter: Drafter,
-                 config: DecodeConfig, costs: CycleCosts) -> DecodeState:
-  """Plain steps from a state where the policy drafts nothing, until a row
+def _plain_steps(state: DecodeState, target: Model,
+                 config: DecodeConfig) -> DecodeState:
+  """Plain steps from a state whose plan drafts nothing, until a row
   finishes or an explore cycle falls due. A plain step moves no acceptance
   count and no row in or out, so K* stays 0 in between; choosing again
   each step (some fifty small ops) made the loop 4-7% slower than AR's at
   batch 8."""
-  plan = _plan(state, drafter, config, costs)
   running = ~state.done
-  more = lambda s: ~jnp.any(s.done & running) & ~plan.explores(
+  more = lambda s: ~jnp.any(s.done & running) & ~state.plan.explores(
       config.adaptive, s.stats.cycles + 1)
   step = lambda s: _plain_step(s, target, config)
   return jax.lax.while_loop(more, step, step(state))
@@ -494,25 +497,32 @@ def _emptied(draft_state: KVCache | None, row: jax.Array) -> KVCache | None:
   return draft_state.rollback(draft_state.lengths.at[row].set(0))
 
 
+def loop_cycle(state: DecodeState, target: Model, drafter: Drafter | None,
+               config: DecodeConfig, costs: CycleCosts | None,
+               plain: bool = False) -> DecodeState:
+  """One iteration of the decode loop's work: a speculative cycle for every
+  row (plain: plain target steps, while the plan drafts nothing; without a
+  drafter an AR step), the finished rows refilled from the queue, then the
+  policy's plan for the next cycle. Made here, once, the plan serves both
+  the next cycle's draft length and the loop's test for plain steps. The
+  harness times this function."""
+  if drafter is None:
+    state = _autoregressive_step(state, target, config)
+  elif plain:
+    state = _plain_steps(state, target, config)
+  else:
+    state = speculative_step(state, target, drafter, config)
+  if state.queue is not None:
+    state = _next_prompts(state, target, drafter, config, plain)
+  return with_plan(state, drafter, config, costs)
+
+
 def _decode(key, target, drafter, prompts, prompt_lengths, config, slots,
             costs=None) -> DecodeResult:
   """The decode loop: speculative with a drafter, plain without one."""
-  if drafter is None:
-    step = lambda state: _autoregressive_step(state, target, config)
-  else:
-    step = lambda state: speculative_step(state, target, drafter, config,
-                                          costs)
-
-  def refilled(step, plain=False):
-    def cycle(state):
-      state = step(state)
-      if state.queue is not None:
-        state = _next_prompts(state, target, drafter, config, plain)
-      return state
-    return cycle
 
   def body(state):
-    state = refilled(step)(state)
+    state = loop_cycle(state, target, drafter, config, costs)
     if _runs_plain_steps(drafter, config):
       # While the policy drafts nothing, plain target steps as AR's, in a
       # loop of their own: no draft pass, no rule, and no conditional
@@ -520,16 +530,15 @@ def _decode(key, target, drafter, prompts, prompt_lengths, config, slots,
       # finish only in the last of `_plain_steps`' steps, so refilling
       # after it loses nothing.
       state = jax.lax.while_loop(
-          lambda s: ~jnp.all(s.done) & (
-              _choose(s, drafter, config, costs) == 0),
-          refilled(lambda s: _plain_steps(s, target, drafter, config,
-                                          costs), plain=True), state)
+          lambda s: ~jnp.all(s.done) & (_drafts(s, config) == 0),
+          lambda s: loop_cycle(s, target, drafter, config, costs, plain=True),
+          state)
     return state
 
   state = jax.lax.while_loop(
       lambda s: ~jnp.all(s.done), body,
-      _initial_state(key, target, drafter, prompts, prompt_lengths, config,
-                     slots))
+      with_plan(_initial_state(key, target, drafter, prompts, prompt_lengths,
+                               config, slots), drafter, config, costs))
   if state.queue is None:
     tokens, num_tokens = _outputs(state, config)
     return DecodeResult(tokens=tokens, num_tokens=num_tokens,

@@ -74,7 +74,7 @@ def loop_cycles(target, drafter, prompts, config, num_cycles=3, seed=2):
                  static_argnames="config")
   for _ in range(num_cycles):
     before = state.lengths
-    state = step(state, target, drafter, config, None)
+    state = step(state, target, drafter, config)
     yield state, np.asarray(state.lengths - before)
 
 

@@ -135,9 +135,7 @@ def test_plain_steps_choose_again_only_when_their_inputs_change(
   run = lambda: sj.generate(jax.random.key(7), target, sj.ModelDrafter(draft),
                             padded, lengths, config, slots=3, costs=costs)
   batched = run()
-  monkeypatch.setattr(decoding, "_plain_steps",
-                      lambda state, target, drafter, config, costs:
-                      decoding._plain_step(state, target, config))
+  monkeypatch.setattr(decoding, "_plain_steps", decoding._plain_step)
   _trace_again(monkeypatch)
   each_step = run()
   np.testing.assert_array_equal(batched.tokens, each_step.tokens)

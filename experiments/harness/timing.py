@@ -180,15 +180,15 @@ def _cycle_steps(target: Model, drafter, state, target_cache, tokens, lengths,
 @functools.partial(jax.jit, static_argnames="config")
 def _loop_cycles(target: Model, drafter, state: decoding.DecodeState,
                  num_steps, config: DecodeConfig, costs):
-  """num_steps of the decode loop's own cycle (`decoding.speculative_step`:
-  the policy's choice, the passes, emitting and counting), each from the
-  same context: the rows' lengths, the caches and the counters set back
-  after it (so every cycle is the first, never an explore cycle)."""
+  """num_steps of the decode loop's own cycle (`decoding.loop_cycle`: the
+  passes, emitting and counting, and the policy's plan), each from the same
+  context: the rows' lengths, the caches and the counters set back after it
+  (so every cycle is the first, never an explore cycle)."""
   lengths, stats = state.lengths, state.stats
 
   def step(i, carry):
     state, checksum = carry
-    state = decoding.speculative_step(
+    state = decoding.loop_cycle(
         state.replace(key=jax.random.fold_in(state.key, i)), target, drafter,
         config, costs)
     # The counters and flags feed the output, so that XLA keeps the work
@@ -205,6 +205,7 @@ def _loop_cycles(target: Model, drafter, state: decoding.DecodeState,
         target_cache=state.target_cache.rollback(lengths - 1),
         draft_state=draft_state), checksum
 
+  state = decoding.with_plan(state, drafter, config, costs)
   return jax.lax.fori_loop(0, num_steps, step, (state, jnp.zeros(())))
 
 
