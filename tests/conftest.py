@@ -29,6 +29,22 @@ _unexpected_skips = []
 # A small corpus that ships with the project: its own source.
 CORPUS = str(REPO / "spec_jax")
 
+# Most of a test's time is XLA compiling, and tests compile many of the same
+# programs (the loop of one tiny pair under several tests). JAX's persistent
+# cache shares them across tests, across the default and slow runs, and with
+# the next run, which loads every program whose code did not change; the key
+# covers the program, the XLA flags and the jax version. It lives in pytest's
+# own git-ignored cache (JAX_COMPILATION_CACHE_DIR set beforehand picks
+# another place), bounded by least-recently-used eviction. The variables
+# reach the processes tests start: the experiments' `--compilation_cache`
+# defaults to the directory, so tests never write to the user's cache.
+CACHE_DIR = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                                  str(REPO / ".pytest_cache" / "xla"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
+jax.config.update("jax_compilation_cache_max_size",
+                  int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+
 
 def tiny_pair(vocab_size=16, max_len=64, sharpness=12.0, draft_noise=0.2,
               seed=0, num_layers=2):

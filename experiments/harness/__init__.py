@@ -11,10 +11,13 @@ from absl import flags
 # Defined once per process, even when a notebook reloads this module.
 if "compilation_cache" not in flags.FLAGS:
   flags.DEFINE_string(
-      "compilation_cache", os.path.expanduser("~/.cache/spec_jax/xla"),
+      "compilation_cache",
+      os.environ.get("JAX_COMPILATION_CACHE_DIR")
+      or os.path.expanduser("~/.cache/spec_jax/xla"),
       "Directory of JAX's persistent compilation cache, so that a second run "
       "of a command loads its compiled programs instead of compiling them "
-      "again; '' turns it off.")
+      "again; by default $JAX_COMPILATION_CACHE_DIR where set (as the tests "
+      "set it), else ~/.cache/spec_jax/xla; '' turns it off.")
 
 
 def setup() -> None:
