@@ -1,6 +1,10 @@
 """The config schema: bad fields, renamed fields and bad values are refused
 before anything loads."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import pytest
 
@@ -9,7 +13,7 @@ from experiments.harness import loading, records
 from configs import gamma_sweep as sweep_configs
 from configs import quickstart as quickstart_configs
 from experiments.harness import config as config_lib
-from conftest import run_module
+from conftest import REPO, run_module
 
 
 def test_unwritable_workdir_is_refused(tmp_path):
@@ -17,6 +21,23 @@ def test_unwritable_workdir_is_refused(tmp_path):
   blocker.write_text("")
   with pytest.raises(PermissionError, match="workdir"):
     records.check_writable(str(blocker / "results"))
+
+
+def test_compilation_cache_defaults_to_jax_compilation_cache_dir(tmp_path):
+  """The entry points' --compilation_cache is JAX's own variable where set
+  (the tests set it, so the processes they start never write to the user's
+  cache), else ~/.cache/spec_jax/xla."""
+  code = ("from absl import flags; import experiments.harness; "
+          "flags.FLAGS(['x']); print(flags.FLAGS.compilation_cache)")
+  def default(env):
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                          capture_output=True, text=True,
+                          check=True).stdout.strip()
+  unset = {k: v for k, v in os.environ.items()
+           if k != "JAX_COMPILATION_CACHE_DIR"}
+  assert default({**unset, "JAX_COMPILATION_CACHE_DIR": str(tmp_path)}) == (
+      str(tmp_path))
+  assert default(unset) == os.path.expanduser("~/.cache/spec_jax/xla")
 
 
 @pytest.mark.parametrize("module, config, flag, message", [
