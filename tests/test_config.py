@@ -23,21 +23,27 @@ def test_unwritable_workdir_is_refused(tmp_path):
     records.check_writable(str(blocker / "results"))
 
 
-def test_compilation_cache_defaults_to_jax_compilation_cache_dir(tmp_path):
-  """The entry points' --compilation_cache is JAX's own variable where set
-  (the tests set it, so the processes they start never write to the user's
-  cache), else ~/.cache/spec_jax/xla."""
-  code = ("from absl import flags; import experiments.harness; "
-          "flags.FLAGS(['x']); print(flags.FLAGS.compilation_cache)")
-  def default(env):
+def test_compilation_cache_follows_jax_variables(tmp_path):
+  """The entry points' --compilation_cache is JAX_COMPILATION_CACHE_DIR where
+  set (the tests set it, so the processes they start never write to the
+  user's cache), else ~/.cache/spec_jax/xla; JAX's threshold for what it
+  caches stays its own variable's (the tests cache every program)."""
+  code = ("from absl import flags; import jax, experiments.harness; "
+          "flags.FLAGS(['x']); experiments.harness.setup(); "
+          "print(flags.FLAGS.compilation_cache, "
+          "jax.config.jax_persistent_cache_min_compile_time_secs)")
+  def cache_settings(env):
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
                           capture_output=True, text=True,
-                          check=True).stdout.strip()
+                          check=True).stdout.split()
   unset = {k: v for k, v in os.environ.items()
-           if k != "JAX_COMPILATION_CACHE_DIR"}
-  assert default({**unset, "JAX_COMPILATION_CACHE_DIR": str(tmp_path)}) == (
-      str(tmp_path))
-  assert default(unset) == os.path.expanduser("~/.cache/spec_jax/xla")
+           if not k.startswith("JAX_")}
+  assert cache_settings({
+      **unset, "JAX_COMPILATION_CACHE_DIR": str(tmp_path),
+      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}) == [
+          str(tmp_path), "0.0"]
+  assert cache_settings(unset) == [
+      os.path.expanduser("~/.cache/spec_jax/xla"), "1.0"]
 
 
 @pytest.mark.parametrize("module, config, flag, message", [
