@@ -104,8 +104,9 @@ def loop_cycles(target, drafter, prompts, config, num_cycles=3, seed=2):
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
-  """Drops every compiled program after each test module. One process runs
-  the whole suite, and each compiled program keeps its code mapped: left to
+  """Drops every compiled program after each test module. A process runs many
+  modules (the whole suite under `-n 0`, a share of the files per xdist
+  worker), and each compiled program keeps its code mapped: left to
   accumulate over 300 tests, XLA aborted while compiling late in the run."""
   yield
   jax.clear_caches()
