@@ -106,8 +106,8 @@ def test_training_loss_is_on_positions_from_loss_from(target):
   tokens = np.random.default_rng(0).integers(0, target.vocab_size, (2, 12))
   batch = dict(features_batch(target, tokens, config.feature_layers, 8),
                loss_from=jnp.array([5, 0]))
-  loss = lambda b: eagle_training.ttt_loss(params, config, target, b, None,
-                                           3)[0]
+  loss = jax.jit(lambda b: eagle_training.ttt_loss(params, config, target, b,
+                                                   None, 3)[0])
   noise = jax.random.normal(jax.random.key(1), batch["top_logits"].shape)
   before = jnp.arange(12)[None, :, None] < batch["loss_from"][:, None, None]
   on_prompt = dict(batch, top_logits=batch["top_logits"] + 5 * noise * before)
@@ -179,6 +179,14 @@ def reject_all(key, draft_tokens, draft_probs, target_probs, greedy):
   return tokens, jnp.zeros(draft_tokens.shape[:1], jnp.int32)
 
 
+# The head's prefill and proposal, jitted once for every check: run eagerly,
+# op by op, each check took seconds.
+_prefill = jax.jit(lambda drafter, *args: drafter.prefill(*args),
+                   static_argnums=3)
+_propose = jax.jit(lambda drafter, *args: drafter.propose(*args),
+                   static_argnums=(6, 7))
+
+
 def assert_state_from_scratch(state, drafter, target):
   """The head's state after a cycle equals one built from scratch on each
   row's sequence: its cache below its pointer and the features of every
@@ -188,7 +196,7 @@ def assert_state_from_scratch(state, drafter, target):
   lengths = state.lengths
   _, hidden = target.prefill_with_hidden(state.tokens, lengths, width,
                                          drafter.target_layers)
-  scratch = drafter.prefill(state.tokens, lengths, width, hidden)
+  scratch = _prefill(drafter, state.tokens, lengths, width, hidden)
   head = state.draft_state
   pointer = np.asarray(head.cache.lengths)
   for row, length in enumerate(np.asarray(lengths)):
@@ -201,10 +209,10 @@ def assert_state_from_scratch(state, drafter, target):
                                  theirs[row, :, :pointer[row]],
                                  atol=2e-4, rtol=2e-4)
   sampling = sj.Sampling(temperature=0)
-  ours = drafter.propose(head, None, state.tokens, lengths, state.key, 3,
-                         sampling)
-  theirs = drafter.propose(scratch, None, state.tokens, lengths, state.key,
-                           3, sampling)
+  ours = _propose(drafter, head, None, state.tokens, lengths, state.key, 3,
+                  sampling)
+  theirs = _propose(drafter, scratch, None, state.tokens, lengths, state.key,
+                    3, sampling)
   np.testing.assert_array_equal(ours.tokens, theirs.tokens)
 
 
